@@ -1,0 +1,125 @@
+"""The public entry points: ``acquire()``, ``lock()``, ``read_lock()`` and ``write_lock()``."""
+
+import functools
+import time
+
+from distlock import metrics
+from distlock.backends.base import READ_WRITE
+from distlock.conf import DEFAULT_ALIAS
+from distlock.exceptions import BackendUnavailable, LockNotAcquired
+from distlock.handler import locks
+from distlock.renewal import Renewer
+from distlock.signals import lock_acquired
+from distlock.validation import validate_alias, validate_flag, validate_name, validate_seconds
+
+
+def acquire(name, ttl=None, timeout=None, blocking=True, using=DEFAULT_ALIAS, auto_renew=None, max_hold=None,
+            *, mode=None):
+    """Acquire lock ``name`` and return its ``Lease``.
+
+    :param ttl: seconds the lease stays valid unless renewed (default: the alias's ``DEFAULT_TTL``, 30).
+    :param timeout: seconds to wait for a held lock; None (the default) waits without limit.
+    :param blocking: False (or ``timeout=0``) tries once and ignores ``timeout``.
+    :param using: the ``DISTLOCK`` alias.
+    :param auto_renew: keep extending the lease every ttl/3 while held (default: ``OPTIONS["AUTO_RENEW"]``).
+    :param max_hold: seconds after which renewal stops and the lock is released and marked lost
+        (default: ``OPTIONS["MAX_HOLD"]``); without auto-renewal it caps the ttl.
+    :raises LockNotAcquired: the lock is held (non-blocking) or stayed held past ``timeout``.
+    :raises BackendUnavailable: the server did not answer within the timeout.
+    """
+    validate_name(name)
+    validate_alias(using)
+    validate_seconds("ttl", ttl, allow_none=True)
+    validate_seconds("timeout", timeout, allow_none=True, allow_zero=True)
+    validate_seconds("max_hold", max_hold, allow_none=True)
+    validate_flag("blocking", blocking)
+    validate_flag("auto_renew", auto_renew, allow_none=True)
+    backend = locks[using]
+    if mode is not None and READ_WRITE not in backend.capabilities:
+        raise NotImplementedError(
+            f"{type(backend).__name__} (alias '{using}') does not support read/write locks; "
+            "use an alias whose backend does (ZooKeeper)."
+        )
+    settings = backend.settings
+    ttl = settings["DEFAULT_TTL"] if ttl is None else ttl
+    auto_renew = settings["AUTO_RENEW"] if auto_renew is None else auto_renew
+    max_hold = settings["MAX_HOLD"] if max_hold is None else max_hold
+    if max_hold is not None and not auto_renew:
+        ttl = min(ttl, max_hold)
+    if timeout == 0:
+        blocking = False
+    if not blocking:
+        timeout = 0
+
+    started = time.monotonic()
+    try:
+        if mode is None:
+            lease = backend.acquire(name, ttl=ttl, timeout=timeout, blocking=blocking)
+        else:
+            lease = backend.acquire_shared(name, mode, ttl=ttl, timeout=timeout, blocking=blocking)
+    except LockNotAcquired:
+        metrics.record_acquire(using, name, ttl, time.monotonic() - started, "timeout" if blocking else "busy")
+        raise
+    except BackendUnavailable:
+        metrics.record_acquire(using, name, ttl, time.monotonic() - started, "unavailable")
+        raise
+    waited = time.monotonic() - started
+    metrics.record_acquire(using, name, ttl, waited, "acquired", lease=lease)
+    if auto_renew:
+        lease._renewer = Renewer(lease, max_hold=max_hold)
+        lease._renewer.start()
+    lock_acquired.send(sender=type(backend), alias=using, lease=lease)
+    return lease
+
+
+class lock:  # noqa: N801 - used like a function: ``with lock(...)`` and ``@lock(...)``
+    """Hold lock ``name`` for a ``with`` block or for each call of a decorated function.
+
+    Takes the same arguments as ``acquire()``. ``with lock(...) as lease`` gives the ``Lease``; the
+    lock is released when the block exits, whatever the outcome. As a decorator each call acquires
+    its own lease.
+    """
+
+    _mode = None
+
+    def __init__(self, name, ttl=None, timeout=None, blocking=True, using=DEFAULT_ALIAS, auto_renew=None,
+                 max_hold=None):
+        # Validate at construction too, so a bad decorator argument fails at import, not at the first call.
+        validate_name(name)
+        self._kwargs = dict(name=name, ttl=ttl, timeout=timeout, blocking=blocking, using=using,
+                            auto_renew=auto_renew, max_hold=max_hold)
+        if self._mode is not None:
+            self._kwargs["mode"] = self._mode
+        self._leases = []
+
+    def __enter__(self):
+        lease = acquire(**self._kwargs)
+        self._leases.append(lease)
+        return lease
+
+    def __exit__(self, exc_type, exc, tb):
+        self._leases.pop().release()
+        return False
+
+    def __call__(self, func):
+        @functools.wraps(func)
+        def locked(*args, **kwargs):
+            with acquire(**self._kwargs):
+                return func(*args, **kwargs)
+
+        return locked
+
+
+class read_lock(lock):  # noqa: N801
+    """Like ``lock()``, shared: readers hold it together and wait only for earlier writers.
+
+    Backends without the ``read_write`` capability raise ``NotImplementedError`` naming themselves.
+    """
+
+    _mode = "read"
+
+
+class write_lock(lock):  # noqa: N801
+    """Like ``lock()``, exclusive against readers and writers of the same read/write lock."""
+
+    _mode = "write"

@@ -1,0 +1,1 @@
+"""Lock backends: one module per server type, each implementing ``base.BaseLockBackend``."""

@@ -1,0 +1,297 @@
+"""The base class every lock backend implements, and the option schema the system checks share."""
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.core.exceptions import ImproperlyConfigured
+
+from distlock.exceptions import LockNotAcquired
+from distlock.holder import new_owner
+from distlock.lease import Lease
+
+#: Capabilities a backend may declare in ``capabilities``:
+#: ``safe_fencing_tokens``: tokens never go backwards, so stores may trust them (``lease.token_is_safe``).
+#: ``read_write``: ``read_lock()`` / ``write_lock()`` are supported.
+#: ``notifications``: waiters are woken by the server instead of polling.
+SAFE_FENCING_TOKENS = "safe_fencing_tokens"
+READ_WRITE = "read_write"
+NOTIFICATIONS = "notifications"
+
+
+class Option:
+    """One entry of a backend's ``OPTIONS``: its accepted types, default and an optional extra check.
+
+    ``check`` receives the value and returns an error message, or None when the value is fine.
+    """
+
+    def __init__(self, types, default=None, *, required=False, check=None, expected=None):
+        self.types = types if isinstance(types, tuple) else (types,)
+        self.default = default
+        self.required = required
+        self.check = check
+        self.expected = expected or " or ".join(t.__name__ for t in self.types)
+
+    def clean(self, alias, name, value):
+        # bool is an int subclass; a TTL of True is a typo, not a number.
+        if not isinstance(value, self.types) or (isinstance(value, bool) and bool not in self.types):
+            raise ImproperlyConfigured(
+                f"DISTLOCK['{alias}']['OPTIONS']['{name}'] must be {self.expected}, got {value!r}."
+            )
+        problem = self.check(value) if self.check else None
+        if problem:
+            raise ImproperlyConfigured(f"DISTLOCK['{alias}']['OPTIONS']['{name}'] {problem}, got {value!r}.")
+        return value
+
+
+def positive_number(value):
+    """Return an error unless ``value`` is a finite number above zero."""
+    if not math.isfinite(value) or value <= 0:
+        return "must be a finite number of seconds above zero"
+    return None
+
+
+def optional_positive_number(value):
+    return None if value is None else positive_number(value)
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What a backend's successful acquisition attempt reports; the base class turns it into a ``Lease``."""
+
+    #: The fencing token the server issued.
+    token: int
+    #: The server's clock at acquisition, for display; None falls back to the client's wall clock.
+    acquired_at: datetime | None = None
+    #: Seconds of validity counted from the start of the attempt; None means the full ``ttl``.
+    validity: float | None = None
+    #: Backend-private data the lease carries back to release/extend (a znode path, an etcd key).
+    handle: object = None
+    #: For session backends: seconds after which the server frees the lock of a dead holder.
+    session_timeout: float | None = None
+
+
+@dataclass
+class Attempt:
+    """One ``acquire()`` call as its tries and waits see it.
+
+    The base class makes one per call and passes it to ``_try_acquire`` and ``_wait_for_release``,
+    so what a try learns (the server's hint of when to look again, a position in a notification
+    stream) reaches the wait that follows without per-thread state in the backend.
+    """
+
+    name: str
+    #: The random owner id every try of this call stores on the server.
+    owner: str
+    ttl: float
+    blocking: bool
+    #: ``time.monotonic()`` by which the call must end, or None for no limit.
+    deadline: float | None
+    #: Tries made so far (the first try sees 0).
+    tries: int = 0
+    #: Set by a try that was refused: seconds after which the lock may be free (the holder's remaining
+    #: ttl, say); None when the server gave no hint.
+    retry_after: float | None = None
+    #: Set by a try, for backends whose waiters are notified: the notification-stream position seen
+    #: before the try, so a release that lands between the try and the wait is not missed.
+    notified_since: int | None = None
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    """One lock as the server reports it, for the admin page and ``distlock list``."""
+
+    alias: str
+    name: str
+    owner: str
+    token: int
+    acquired_at: datetime | None = None
+    expires_at: datetime | None = None
+    host: str = ""
+    pid: int | None = None
+    task_id: str = ""
+
+
+class BaseLockBackend:
+    """A lock server behind one ``DISTLOCK`` alias.
+
+    Subclasses implement ``_try_acquire``, ``_do_release``, ``_do_extend``, ``held_locks`` and
+    ``force_release``; they override ``_wait_for_release`` when the server can notify waiters.
+    Argument checks, signals, renewal and metrics live above the backends, in ``distlock.api`` and
+    ``distlock.lease``.
+    """
+
+    #: Capabilities (see the constants above) this backend provides.
+    capabilities = frozenset()
+
+    #: Options every backend accepts.
+    common_options = {
+        "DEFAULT_TTL": Option((int, float), 30, check=positive_number, expected="a number of seconds"),
+        "AUTO_RENEW": Option(bool, False),
+        "MAX_HOLD": Option((int, float, type(None)), None, check=optional_positive_number,
+                           expected="a number of seconds or None"),
+    }
+
+    #: Options specific to the backend: name -> ``Option``.
+    options = {}
+
+    def __init__(self, alias, options):
+        self.alias = alias
+        self.settings = self.clean_options(alias, options)
+
+    @classmethod
+    def clean_options(cls, alias, options):
+        """Return the options with defaults filled in; raise ``ImproperlyConfigured`` naming the bad one.
+
+        Does no I/O, so the system checks can call it while servers are down.
+        """
+        if options is None:
+            options = {}
+        if not isinstance(options, dict):
+            raise ImproperlyConfigured(f"DISTLOCK['{alias}']['OPTIONS'] must be a dict, got {options!r}.")
+        schema = {**cls.common_options, **cls.options}
+        unknown = sorted(set(options) - set(schema))
+        if unknown:
+            raise ImproperlyConfigured(
+                f"DISTLOCK['{alias}']['OPTIONS'] has unknown option(s) {', '.join(unknown)} for "
+                f"{cls.__module__}.{cls.__name__}; accepted: {', '.join(sorted(schema))}."
+            )
+        cleaned = {}
+        for name, option in schema.items():
+            if name in options:
+                cleaned[name] = option.clean(alias, name, options[name])
+            elif option.required:
+                raise ImproperlyConfigured(
+                    f"DISTLOCK['{alias}']['OPTIONS'] needs '{name}' ({option.expected}) for {cls.__name__}."
+                )
+            else:
+                cleaned[name] = option.default
+        cls.check_combination(alias, cleaned)
+        return cleaned
+
+    @classmethod
+    def check_combination(cls, alias, options):
+        """Raise ``ImproperlyConfigured`` for options that are fine alone but not together."""
+
+    def __repr__(self):
+        return f"<{type(self).__name__} alias={self.alias!r}>"
+
+    @property
+    def token_is_safe(self):
+        return SAFE_FENCING_TOKENS in self.capabilities
+
+    # -- acquiring -------------------------------------------------------------------------------
+
+    def acquire(self, name, *, ttl, timeout, blocking):
+        """Return a ``Lease`` on ``name``, waiting up to ``timeout`` seconds (None: forever) if blocking.
+
+        Raise ``LockNotAcquired`` on a miss or timeout and ``BackendUnavailable`` if the server is down.
+        """
+        attempt = Attempt(name=name, owner=new_owner(), ttl=ttl, blocking=blocking,
+                          deadline=None if timeout is None else time.monotonic() + timeout)
+        try:
+            while True:
+                started = time.monotonic()
+                attempt.retry_after = None
+                grant = self._try_acquire(attempt)
+                attempt.tries += 1
+                if grant is not None:
+                    lease = self.make_lease(name, attempt.owner, ttl, started, grant)
+                    lease.attempts = attempt.tries
+                    return lease
+                remaining = None if attempt.deadline is None else attempt.deadline - time.monotonic()
+                if not blocking or (remaining is not None and remaining <= 0):
+                    raise LockNotAcquired(self._not_acquired_message(name, blocking, timeout))
+                self._wait_for_release(attempt, remaining)
+        except LockNotAcquired:
+            self._give_up(attempt)
+            raise
+
+    def _not_acquired_message(self, name, blocking, timeout):
+        how = "it is held (non-blocking attempt)" if not blocking else f"still held after {timeout:g}s"
+        return f"Lock {name!r} on alias '{self.alias}' not acquired: {how}."
+
+    def make_lease(self, name, owner, ttl, started, grant):
+        """Return the ``Lease`` for ``grant``; validity counts from ``started``, before the request was sent."""
+        return Lease(
+            backend=self, name=name, owner=owner, token=grant.token, ttl=ttl, started=started,
+            validity=ttl if grant.validity is None else grant.validity, acquired_at=grant.acquired_at,
+            handle=grant.handle, session_timeout=grant.session_timeout,
+        )
+
+    def _try_acquire(self, attempt):
+        """Try once; return a ``Grant``, or None if another owner holds the lock.
+
+        ``attempt.deadline`` (monotonic, or None) bounds how long the network call may take. The record
+        on the server carries ``attempt.owner`` and ``distlock.holder.current_holder()`` (host, pid,
+        task id). A refused try may set ``attempt.retry_after`` for the wait that follows.
+        """
+        raise NotImplementedError("subclasses of BaseLockBackend must provide _try_acquire()")
+
+    def _give_up(self, attempt):
+        """Undo what the tries of a call that missed or timed out left on the server (a place in a queue).
+
+        Not called when the server failed (``BackendUnavailable``): talking to it again would stretch
+        the caller's timeout, so such leftovers must expire on their own.
+        """
+
+    def _wait_for_release(self, attempt, remaining):
+        """Block until the lock may be free again, at most ``remaining`` seconds (None: no limit).
+
+        The default is a jittered exponential back-off (10 ms doubling to 200 ms), for servers that
+        cannot notify; jitter keeps contenders from retrying in lock step.
+        """
+        delay = min(0.2, 0.01 * (2 ** min(attempt.tries - 1, 5))) * random.uniform(0.5, 1.0)
+        if remaining is not None:
+            delay = min(delay, remaining)
+        time.sleep(max(delay, 0))
+
+    # -- holding -------------------------------------------------------------------------------
+
+    def release(self, lease):
+        """Delete the lock if ``lease`` still owns it; return True if it did (compare-and-delete)."""
+        return self._do_release(lease)
+
+    def _do_release(self, lease):
+        raise NotImplementedError("subclasses of BaseLockBackend must provide _do_release()")
+
+    def extend(self, lease, ttl):
+        """Make the lock expire ``ttl`` seconds from now if ``lease`` still owns it; return False if lost."""
+        return self._do_extend(lease, ttl)
+
+    def _do_extend(self, lease, ttl):
+        raise NotImplementedError("subclasses of BaseLockBackend must provide _do_extend()")
+
+    def session_valid_until(self, lease):
+        """Return the ``time.monotonic()`` after which ``lease``'s session may be gone on the server, or None.
+
+        Local and cheap (``lease.check()`` calls it): backends whose server frees locks with a session
+        report what they last heard; backends without sessions return None.
+        """
+        return None
+
+    def trusted_validity(self, ttl):
+        """Return how long an extension to ``ttl`` can be trusted, counted from when its request was sent.
+
+        The full ``ttl``, unless the servers' clocks may run fast (Redlock subtracts its drift allowance).
+        """
+        return ttl
+
+    # -- operating -----------------------------------------------------------------------------
+
+    def held_locks(self, prefix=""):
+        """Return the ``LockInfo`` of every lock currently held whose name starts with ``prefix``."""
+        raise NotImplementedError("subclasses of BaseLockBackend must provide held_locks()")
+
+    def force_release(self, name, owner):
+        """Delete lock ``name`` only if ``owner`` still holds it (an operator's action); return True if deleted."""
+        raise NotImplementedError("subclasses of BaseLockBackend must provide force_release()")
+
+    def ping(self):
+        """Make one round trip to the server; raise ``BackendUnavailable`` if it does not answer."""
+        raise NotImplementedError("subclasses of BaseLockBackend must provide ping()")
+
+    def close(self):
+        """Release connections and sessions; held leases on session backends are lost."""

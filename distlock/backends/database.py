@@ -1,0 +1,527 @@
+"""Locks as rows of the ``distlock_lock`` table, judged by the database server's clock (PostgreSQL, SQLite).
+
+Every statement runs in autocommit on a connection of the backend's own (one per thread), never on
+Django's connection: a lock written inside the caller's uncommitted ``transaction.atomic()`` would be
+invisible to every other process and exclude nobody. The locks are lease rows, not advisory locks:
+session advisory locks belong to a server session, which a transaction-pooling proxy such as
+PgBouncer hands to other clients between transactions, so they strand or vanish.
+"""
+
+import hashlib
+import math
+import os
+import socket
+import sqlite3
+import threading
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from datetime import timezone
+
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, ProgrammingError, connections
+from django.db.utils import load_backend
+
+from distlock.backends.base import SAFE_FENCING_TOKENS, BaseLockBackend, Grant, LockInfo, Option, positive_number
+from distlock.exceptions import BackendUnavailable, LockWouldDeadlock
+from distlock.holder import current_holder
+
+# ---------------------------------------------------------------------------------------------------
+# The protocol. A lock is one row of distlock_lock (distlock.models.Lock), unique by name. A row whose
+# expires_at has passed by the database's own clock is free: no statement uses the client's clock.
+# Every statement compares the random owner id, so nobody changes a lock it does not hold.
+# ---------------------------------------------------------------------------------------------------
+
+# PostgreSQL, acquire: one statement, so one transaction; RETURNING gives (token, acquired_at,
+# expires_at) when acquired, no row when the lock is held.
+# - name_guard: a transaction-scoped advisory lock on (GUARD_NAMESPACE, hash of the name), released at
+#   commit, so it cannot strand behind PgBouncer. It makes acquisitions of one name draw their tokens
+#   one after the other: nextval() runs before the row is inserted, and without the guard another
+#   process could draw a higher token, acquire and release the same name in between, and this insert
+#   would then hold the lock with a lower token than its predecessor.
+# - The token is nextval() of the alias-wide sequence (migration 0002): never reused, never rolled back.
+# - ON CONFLICT takes the row over only if it has expired, or if it is this very call's own row (its
+#   reply was lost with a broken connection and the call was retried).
+PG_ACQUIRE = """
+WITH name_guard AS MATERIALIZED (SELECT pg_advisory_xact_lock(%(guard_namespace)s, %(guard_key)s))
+INSERT INTO distlock_lock AS held (name, owner, token, acquired_at, expires_at, host, pid, task_id)
+SELECT %(name)s, %(owner)s, nextval('distlock_token_seq'), clock_timestamp(),
+       clock_timestamp() + make_interval(secs => %(ttl)s), %(host)s, %(pid)s, %(task_id)s
+FROM name_guard
+ON CONFLICT (name) DO UPDATE
+SET owner = EXCLUDED.owner, token = EXCLUDED.token, acquired_at = EXCLUDED.acquired_at,
+    expires_at = EXCLUDED.expires_at, host = EXCLUDED.host, pid = EXCLUDED.pid, task_id = EXCLUDED.task_id
+WHERE held.expires_at <= clock_timestamp() OR held.owner = EXCLUDED.owner
+RETURNING token, acquired_at, expires_at
+"""
+
+# PostgreSQL, release (and force_release): compare-and-delete. Returns no row if the lock is not ours,
+# else whether it was still unexpired; an expired row of ours is deleted too, to leave no litter,
+# but reported False, since the lock had already lapsed.
+PG_RELEASE = """
+DELETE FROM distlock_lock WHERE name = %(name)s AND owner = %(owner)s
+RETURNING expires_at > clock_timestamp()
+"""
+
+# PostgreSQL, extend: compare-and-extend; an expired lock stays lost even if nobody took it over.
+PG_EXTEND = """
+UPDATE distlock_lock SET expires_at = clock_timestamp() + make_interval(secs => %(ttl)s)
+WHERE name = %(name)s AND owner = %(owner)s AND expires_at > clock_timestamp()
+RETURNING expires_at
+"""
+
+PG_HELD = """
+SELECT name, owner, token, acquired_at, expires_at, host, pid, task_id FROM distlock_lock
+WHERE expires_at > clock_timestamp() AND left(name, %(prefix_length)s) = %(prefix)s
+ORDER BY name
+"""
+
+# Keeps distlock's guard keys apart from the application's own two-key advisory locks ("dlk\0").
+GUARD_NAMESPACE = 0x646C6B00
+
+# SQLite, acquire: SQLite has one write slot per database. BEGIN IMMEDIATE takes it before anything
+# is read, so each acquisition is serialized against every other writer of every process; tokens
+# therefore strictly increase in the order locks are granted. Steps, in that one transaction:
+SQLITE_BEGIN = "BEGIN IMMEDIATE"
+# 1. The next alias-wide token: one more than the last, and never below the database clock in
+#    microseconds, so a TokenSequence row deleted (a test-suite flush, a restore) does not send
+#    tokens backwards.
+SQLITE_NEXT_TOKEN = """
+INSERT INTO distlock_tokensequence (id, value)
+VALUES (1, CAST((julianday('now') - 2440587.5) * 86400000000 AS INTEGER))
+ON CONFLICT (id) DO UPDATE SET value = max(value + 1, excluded.value)
+RETURNING value
+"""
+# 2. The upsert, taking an expired row over (or this call's own row, as on PostgreSQL). Times are
+#    stored as 'YYYY-MM-DD HH:MM:SS.SSS' UTC text from SQLite's clock: one fixed format, so text
+#    comparison is time comparison, and Django reads it as a DateTimeField.
+SQLITE_ACQUIRE = """
+INSERT INTO distlock_lock (name, owner, token, acquired_at, expires_at, host, pid, task_id)
+VALUES (:name, :owner, :token, strftime('%Y-%m-%d %H:%M:%f', 'now'),
+        strftime('%Y-%m-%d %H:%M:%f', 'now', '+' || :ttl || ' seconds'), :host, :pid, :task_id)
+ON CONFLICT (name) DO UPDATE
+SET owner = excluded.owner, token = excluded.token, acquired_at = excluded.acquired_at,
+    expires_at = excluded.expires_at, host = excluded.host, pid = excluded.pid, task_id = excluded.task_id
+WHERE distlock_lock.expires_at <= excluded.acquired_at OR distlock_lock.owner = excluded.owner
+RETURNING token, acquired_at, expires_at
+"""
+# 3. COMMIT if a row came back; otherwise ROLLBACK, which also gives the drawn token back.
+
+SQLITE_RELEASE = """
+DELETE FROM distlock_lock WHERE name = :name AND owner = :owner
+RETURNING expires_at > strftime('%Y-%m-%d %H:%M:%f', 'now')
+"""
+
+SQLITE_EXTEND = """
+UPDATE distlock_lock SET expires_at = strftime('%Y-%m-%d %H:%M:%f', 'now', '+' || :ttl || ' seconds')
+WHERE name = :name AND owner = :owner AND expires_at > strftime('%Y-%m-%d %H:%M:%f', 'now')
+RETURNING expires_at
+"""
+
+SQLITE_HELD = """
+SELECT name, owner, token, acquired_at, expires_at, host, pid, task_id FROM distlock_lock
+WHERE expires_at > strftime('%Y-%m-%d %H:%M:%f', 'now') AND substr(name, 1, :prefix_length) = :prefix
+ORDER BY name
+"""
+
+#: The shortest time a call may take, even at or past the caller's deadline: a last try made right at
+#: the deadline (or a non-blocking one) must still be able to wait out another writer's commit.
+MIN_CALL_BOUND = 1.0
+
+#: The first SQLite with RETURNING.
+MIN_SQLITE_VERSION = (3, 35)
+
+#: libpq rounds a connect_timeout below 2 seconds up to 2.
+MIN_CONNECT_TIMEOUT = 2
+
+
+@dataclass(eq=False)
+class _Watch:
+    fileno: int
+    deadline: float
+    fired: bool = False
+
+
+class _Watchdog:
+    """Shut down the socket of a PostgreSQL connection whose statement outlives its bound.
+
+    psycopg has no client-side statement timeout, and TCP keeps the connection to a paused or
+    black-holed server open indefinitely; shutting the socket down makes the blocked call fail at
+    once. One daemon thread per backend, started on first use, asleep until the nearest deadline.
+    """
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self._watches = set()
+        self._wake_at = math.inf
+        self._thread = None
+        self._stopping = False
+
+    @contextmanager
+    def watch(self, fileno, seconds):
+        """Sever ``fileno`` if the block is still running after ``seconds``; yield the ``_Watch``."""
+        watch = _Watch(fileno, time.monotonic() + seconds)
+        with self._changed:
+            if self._thread is None or not self._thread.is_alive():
+                self._stopping = False
+                self._thread = threading.Thread(target=self._run, name="distlock-db-watchdog", daemon=True)
+                self._thread.start()
+            self._watches.add(watch)
+            if watch.deadline < self._wake_at:
+                self._changed.notify()
+        try:
+            yield watch
+        finally:
+            # Under the condition's lock, so the thread never severs a connection a later call uses.
+            with self._changed:
+                self._watches.discard(watch)
+
+    def _run(self):
+        with self._changed:
+            while not self._stopping:
+                now = time.monotonic()
+                for watch in [watch for watch in self._watches if watch.deadline <= now]:
+                    self._watches.discard(watch)
+                    watch.fired = True
+                    _shut_down(watch.fileno)
+                self._wake_at = min((watch.deadline for watch in self._watches), default=math.inf)
+                self._changed.wait(None if self._wake_at == math.inf else self._wake_at - now)
+
+    def stop(self):
+        with self._changed:
+            self._stopping = True
+            self._changed.notify()
+            thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+
+def _shut_down(fileno):
+    """Shut the socket down for both directions; the connection's owner closes the descriptor itself."""
+    try:
+        with socket.socket(fileno=os.dup(fileno)) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed by its owner: nothing left to interrupt
+
+
+class _PostgreSQL:
+    """The PostgreSQL side of the protocol: statements, connect timeout, the watchdog."""
+
+    def __init__(self):
+        self.watchdog = _Watchdog()
+
+    @staticmethod
+    def connect(wrapper, bound, configured_options):
+        if wrapper.connection is None:
+            # The caller's bound, unless the project configured a shorter connect_timeout.
+            configured = configured_options.get("connect_timeout") or math.inf
+            wrapper.settings_dict["OPTIONS"]["connect_timeout"] = max(MIN_CONNECT_TIMEOUT,
+                                                                      math.ceil(min(bound, configured)))
+            wrapper.ensure_connection()
+
+    def bounded(self, wrapper, bound):
+        return self.watchdog.watch(wrapper.connection.fileno(), bound)
+
+    @staticmethod
+    def acquire(cursor, params):
+        key = int.from_bytes(hashlib.blake2b(params["name"].encode(), digest_size=4).digest(), "big", signed=True)
+        cursor.execute(PG_ACQUIRE, {**params, "guard_namespace": GUARD_NAMESPACE, "guard_key": key})
+        return cursor.fetchone()
+
+    @staticmethod
+    def release(cursor, params):
+        cursor.execute(PG_RELEASE, params)
+        return cursor.fetchone()
+
+    @staticmethod
+    def extend(cursor, params):
+        cursor.execute(PG_EXTEND, params)
+        return cursor.fetchone()
+
+    @staticmethod
+    def held(cursor, params):
+        cursor.execute(PG_HELD, params)
+        return cursor.fetchall()
+
+    @staticmethod
+    def aware(value):
+        return value  # psycopg returns timestamptz as aware datetimes
+
+    def close(self):
+        self.watchdog.stop()
+
+
+class _SQLite:
+    """The SQLite side of the protocol: statements, and the busy timeout as the bound."""
+
+    @staticmethod
+    def connect(wrapper, bound, configured_options):
+        wrapper.ensure_connection()
+        # The busy timeout is how long a statement waits for the write slot: SQLite's only way to hang.
+        wrapper.connection.execute(f"PRAGMA busy_timeout = {int(bound * 1000)}")
+
+    @staticmethod
+    def bounded(wrapper, bound):
+        return nullcontext()  # the busy timeout set in connect() bounds every statement
+
+    @staticmethod
+    def acquire(cursor, params):
+        cursor.execute(SQLITE_BEGIN)
+        try:
+            cursor.execute(SQLITE_NEXT_TOKEN)
+            (token,) = cursor.fetchone()
+            cursor.execute(SQLITE_ACQUIRE, {**params, "token": token})
+            row = cursor.fetchone()
+            cursor.execute("COMMIT" if row is not None else "ROLLBACK")
+        except BaseException:
+            cursor.connection.rollback()
+            raise
+        return row
+
+    @staticmethod
+    def release(cursor, params):
+        cursor.execute(SQLITE_RELEASE, params)
+        return cursor.fetchone()
+
+    @staticmethod
+    def extend(cursor, params):
+        cursor.execute(SQLITE_EXTEND, params)
+        return cursor.fetchone()
+
+    @staticmethod
+    def held(cursor, params):
+        cursor.execute(SQLITE_HELD, params)
+        return cursor.fetchall()
+
+    @staticmethod
+    def aware(value):
+        return value.replace(tzinfo=timezone.utc)  # SQLite's clock is UTC; Django parses the text naive
+
+    def close(self):
+        pass
+
+
+DIALECTS = {"postgresql": _PostgreSQL, "sqlite": _SQLite}
+
+
+def _engine_vendor(engine):
+    """Return the vendor of a Django database ENGINE (imports it, does no I/O)."""
+    return load_backend(engine).DatabaseWrapper.vendor
+
+
+def _is_private_memory_database(name):
+    """True for an SQLite database only its own connection can see (":memory:", or no shared cache)."""
+    name = str(name)
+    return name in ("", ":memory:") or ("mode=memory" in name and "cache=shared" not in name)
+
+
+class DatabaseBackend(BaseLockBackend):
+    """Locks in the ``distlock_lock`` table of one Django database, PostgreSQL or SQLite.
+
+    Acquire is one atomic statement (PostgreSQL) or one ``BEGIN IMMEDIATE`` transaction (SQLite) that
+    also takes expired locks over and draws the next alias-wide fencing token. Waiters poll with a
+    short jittered back-off. A call that cannot finish within ``STATEMENT_TIMEOUT`` (or the caller's
+    timeout) raises ``BackendUnavailable``; on SQLite that includes the database staying locked by
+    another writer. On SQLite, locking inside this thread's open transaction on the same database
+    raises ``LockWouldDeadlock``.
+    """
+
+    capabilities = frozenset({SAFE_FENCING_TOKENS})
+
+    options = {
+        "DATABASE": Option(str, DEFAULT_DB_ALIAS, expected="the alias of a database in settings.DATABASES"),
+        "STATEMENT_TIMEOUT": Option((int, float), 5, check=positive_number, expected="a number of seconds"),
+    }
+
+    def __init__(self, alias, options):
+        super().__init__(alias, options)
+        self.database = self.settings["DATABASE"]
+        self.vendor = _engine_vendor(settings.DATABASES[self.database]["ENGINE"])
+        self._dialect = DIALECTS[self.vendor]()
+        # Thread ident -> this backend's own DatabaseWrapper for that thread. An ident reused by a new
+        # thread reuses the connection, which is safe: its previous thread is gone.
+        self._connections = {}
+        self._connections_lock = threading.Lock()
+
+    @classmethod
+    def check_combination(cls, alias, options):
+        database = options["DATABASE"]
+        if database not in settings.DATABASES:
+            raise ImproperlyConfigured(
+                f"DISTLOCK['{alias}']['OPTIONS']['DATABASE'] is '{database}', which is not in settings.DATABASES "
+                f"(configured: {', '.join(map(repr, settings.DATABASES))})."
+            )
+        entry = settings.DATABASES[database]
+        try:
+            vendor = _engine_vendor(entry.get("ENGINE", ""))
+        except ImproperlyConfigured as exc:
+            raise ImproperlyConfigured(f"DISTLOCK['{alias}']: DATABASES['{database}']['ENGINE']: {exc}") from exc
+        if vendor not in DIALECTS:
+            raise ImproperlyConfigured(
+                f"DISTLOCK['{alias}']['OPTIONS']['DATABASE'] names '{database}', whose vendor is '{vendor}'; the "
+                "database backend supports PostgreSQL and SQLite. Use one of those, or another lock backend."
+            )
+        if vendor == "sqlite" and sqlite3.sqlite_version_info < MIN_SQLITE_VERSION:
+            raise ImproperlyConfigured(
+                f"DISTLOCK['{alias}']: the database backend needs SQLite {'.'.join(map(str, MIN_SQLITE_VERSION))} "
+                f"or later (for RETURNING); this Python uses SQLite {sqlite3.sqlite_version}."
+            )
+        if vendor == "sqlite" and _is_private_memory_database(entry.get("NAME", "")):
+            raise ImproperlyConfigured(
+                f"DISTLOCK['{alias}']['OPTIONS']['DATABASE'] names '{database}', an in-memory SQLite database that "
+                "only one connection can see; locks need a database file every process opens."
+            )
+
+    # -- connections ---------------------------------------------------------------------------------
+
+    def _connection(self):
+        """Return this thread's own connection wrapper (not yet connected the first time)."""
+        wrapper = self._connections.get(threading.get_ident())
+        if wrapper is None:
+            wrapper = self._new_connection()
+        return wrapper
+
+    def _new_connection(self):
+        databases = {
+            alias: {**entry, "OPTIONS": dict(entry.get("OPTIONS", {})), "TEST": dict(entry.get("TEST", {}))}
+            for alias, entry in settings.DATABASES.items()
+        }
+        entry = connections.configure_settings(databases)[self.database]
+        # Django keeps one pool per alias, shared with the ORM; this connection is the thread's own.
+        entry["OPTIONS"].pop("pool", None)
+        entry["AUTOCOMMIT"] = True
+        wrapper = load_backend(entry["ENGINE"]).DatabaseWrapper(entry, self.database)
+        # close() may run in another thread than the one that made the connection.
+        wrapper.inc_thread_sharing()
+        threading.current_thread()  # registers a foreign thread, so the sweep below sees it alive
+        with self._connections_lock:
+            alive = {thread.ident for thread in threading.enumerate()}
+            for ident in [ident for ident in self._connections if ident not in alive]:
+                self._discard(self._connections.pop(ident))
+            self._connections[threading.get_ident()] = wrapper
+        return wrapper
+
+    def _discard(self, wrapper):
+        """Close ``wrapper`` (rolling back anything half done); the next call reconnects."""
+        try:
+            wrapper.close()
+        except DatabaseError:
+            pass  # the connection is already broken: closing it has nothing left to do
+
+    def close(self):
+        with self._connections_lock:
+            wrappers, self._connections = list(self._connections.values()), {}
+        for wrapper in wrappers:
+            self._discard(wrapper)
+        self._dialect.close()
+
+    # -- running the protocol ----------------------------------------------------------------------
+
+    def _call_bound(self, deadline):
+        """Seconds one call may take: STATEMENT_TIMEOUT, cut to the caller's remaining timeout."""
+        limit = self.settings["STATEMENT_TIMEOUT"]
+        if deadline is None:
+            return limit
+        return min(limit, max(deadline - time.monotonic(), MIN_CALL_BOUND))
+
+    def _run(self, step, params, *, deadline=None):
+        """Return ``step(cursor, params)`` run on this thread's own connection, within the call's bound.
+
+        Every database error drops the connection (so no half-done transaction survives) and becomes
+        ``BackendUnavailable``. A reused connection found broken (a server restart, an idle connection
+        cut) is replaced and the call retried once: every step is safe to repeat for its owner.
+        """
+        bound = self._call_bound(deadline)
+        ends = time.monotonic() + bound
+        configured_options = settings.DATABASES[self.database].get("OPTIONS", {})
+        retried = False
+        while True:
+            wrapper = self._connection()
+            reused = wrapper.connection is not None
+            watch = None
+            try:
+                with wrapper.wrap_database_errors:
+                    self._dialect.connect(wrapper, ends - time.monotonic(), configured_options)
+                    with self._dialect.bounded(wrapper, ends - time.monotonic()) as watch:
+                        return step(wrapper.connection.cursor(), params)
+            except DatabaseError as exc:
+                broken = reused and not (watch is not None and watch.fired) and not wrapper.is_usable()
+                self._discard(wrapper)
+                if broken and not retried and time.monotonic() < ends:
+                    retried = True
+                    continue
+                raise BackendUnavailable(self._unavailable_message(exc, bound, watch)) from exc
+            except BaseException:
+                self._discard(wrapper)  # interrupted mid-call: the connection's state is unknown
+                raise
+
+    def _unavailable_message(self, exc, bound, watch):
+        where = f"Database backend of alias '{self.alias}' (DATABASES['{self.database}'], {self.vendor})"
+        if watch is not None and watch.fired:
+            return f"{where} did not answer within {bound:.3g}s (STATEMENT_TIMEOUT or the caller's timeout)."
+        if getattr(exc.__cause__, "sqlite_errorname", "") == "SQLITE_BUSY":
+            return (f"{where}: the SQLite database stayed locked by another writer for {bound:.3g}s "
+                    "(STATEMENT_TIMEOUT or the caller's timeout); keep write transactions short.")
+        if isinstance(exc, ProgrammingError) or "no such table" in str(exc):
+            return f"{where} is not set up: {exc}. Run `manage.py migrate distlock --database {self.database}`."
+        return f"{where} is unavailable: {exc}"
+
+    def _refuse_self_deadlock(self, name):
+        """Raise ``LockWouldDeadlock`` if this thread has a transaction open on the same SQLite database.
+
+        SQLite has one write slot. A transaction begun IMMEDIATE (or EXCLUSIVE) holds it from BEGIN; a
+        DEFERRED one from its first write, which Python cannot observe; and one that has read works on a
+        snapshot older than the lock. So any open transaction counts; the lock statement would otherwise
+        wait for the caller's own transaction until the busy timeout.
+        """
+        if self.vendor != "sqlite":
+            return
+        database_name = str(settings.DATABASES[self.database]["NAME"])
+        for connection in connections.all(initialized_only=True):
+            if (connection.vendor == "sqlite" and str(connection.settings_dict["NAME"]) == database_name
+                    and connection.connection is not None and connection.connection.in_transaction):
+                raise LockWouldDeadlock(
+                    f"Lock {name!r} on alias '{self.alias}': this thread has a transaction open on the SQLite "
+                    f"database of DATABASES['{connection.alias}'], and SQLite has one write slot, so the lock "
+                    "statement would wait for that transaction, that is for itself. Take database locks outside "
+                    "transaction.atomic() (lock first, then open the transaction inside the lock), or use a "
+                    "PostgreSQL or Redis alias for locks taken inside transactions."
+                )
+
+    # -- the backend contract ----------------------------------------------------------------------
+
+    def _try_acquire(self, attempt):
+        self._refuse_self_deadlock(attempt.name)
+        holder = current_holder()
+        params = {"name": attempt.name, "owner": attempt.owner, "ttl": attempt.ttl, "host": holder.host[:255],
+                  "pid": holder.pid, "task_id": holder.task_id[:255]}
+        row = self._run(self._dialect.acquire, params, deadline=attempt.deadline)
+        if row is None:
+            return None
+        token, acquired_at, _expires_at = row
+        return Grant(token=token, acquired_at=self._dialect.aware(acquired_at))
+
+    def _do_release(self, lease):
+        return self.force_release(lease.name, lease.owner)
+
+    def _do_extend(self, lease, ttl):
+        self._refuse_self_deadlock(lease.name)
+        return self._run(self._dialect.extend, {"name": lease.name, "owner": lease.owner, "ttl": ttl}) is not None
+
+    def held_locks(self, prefix=""):
+        rows = self._run(self._dialect.held, {"prefix": prefix, "prefix_length": len(prefix)})
+        return [
+            LockInfo(alias=self.alias, name=name, owner=owner, token=token, acquired_at=self._dialect.aware(acquired),
+                     expires_at=self._dialect.aware(expires), host=host, pid=pid, task_id=task_id)
+            for name, owner, token, acquired, expires, host, pid, task_id in rows
+        ]
+
+    def force_release(self, name, owner):
+        self._refuse_self_deadlock(name)
+        row = self._run(self._dialect.release, {"name": name, "owner": owner})
+        return row is not None and bool(row[0])
+
+    def ping(self):
+        self._run(lambda cursor, params: cursor.execute("SELECT 1").fetchone(), {})

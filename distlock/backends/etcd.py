@@ -1,0 +1,915 @@
+"""etcd v3 backend: a FIFO queue of keys per lock, one session lease per process, revisions as fencing tokens."""
+
+import heapq
+import json
+import logging
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from urllib.parse import quote, unquote
+
+import grpc
+from django.core.exceptions import ImproperlyConfigured
+from etcd3 import etcdrpc
+
+from distlock.backends.base import (
+    NOTIFICATIONS, SAFE_FENCING_TOKENS, BaseLockBackend, Grant, LockInfo, Option, positive_number,
+)
+from distlock.exceptions import BackendUnavailable, LockNotAcquired
+from distlock.holder import current_holder, new_owner
+
+logger = logging.getLogger("distlock.backends.etcd")
+
+# -- Protocol ---------------------------------------------------------------------------------------
+#
+# Keys. Every contender for lock NAME, the holder and each waiter, owns one key
+#     {PREFIX}{quote(NAME)}/{owner}
+# attached to its process's session lease, so etcd deletes it once that process stops keeping the
+# lease alive (crash, pause, partition). quote() leaves no "/" in the name part, so the range
+# "{PREFIX}{quote(NAME)}/" holds exactly the keys of NAME whatever the name contains ("/", "..",
+# spaces, unicode). The value is JSON {owner, host, pid, task_id, created_at}, read only by
+# held_locks(); it is written once, so a hand-off costs the next holder a read, not a write.
+#
+# Invariant. The holder of NAME is its key with the lowest create revision. A key is only ever
+# created at the end of the queue (etcd's revision grows with every write), so holders follow one
+# another in create-revision order. The fencing token is the revision of the write that granted the
+# lock: the create, for an acquisition that found the lock free; for a waiter, a put of its own key
+# in the TURN that finds it at the head (its create revision dates from when it queued, older than
+# tokens other names were granted meanwhile). So every token exceeds every token granted before it,
+# for any name of the cluster. The create revision stays the key's identity for release and extend.
+#
+# Waiting. A waiter watches only the key just before its own (no herd), from the revision at which
+# it saw that key, so a deletion in between is not missed; whatever wakes it (the deletion - a
+# release, a ttl running out, a session lease expiring - or a broken watch stream) it re-reads
+# its place with TURN before believing anything.
+#
+# The per-call ttl is enforced by this process: a background thread deletes the key with RELEASE
+# when it runs out unless the lease was extended. etcd frees the locks of a dead or paused process
+# when its session lease expires (lease.session_timeout).
+
+_CREATE = etcdrpc.Compare.CREATE
+_EQUAL = etcdrpc.Compare.EQUAL
+_GREATER = etcdrpc.Compare.GREATER
+_BY_CREATE = etcdrpc.RangeRequest.CREATE
+_ASCEND = etcdrpc.RangeRequest.ASCEND
+_DESCEND = etcdrpc.RangeRequest.DESCEND
+
+
+def _range_end(prefix):
+    """Return the end of the key range holding every key that starts with ``prefix`` (etcd's "prefix end")."""
+    for index in reversed(range(len(prefix))):
+        if prefix[index] < 0xFF:
+            return prefix[:index] + bytes([prefix[index] + 1])
+    return b"\0"
+
+
+def _queue_range(lock_prefix, lock_end, **options):
+    return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(
+        key=lock_prefix, range_end=lock_end, sort_target=_BY_CREATE, **options))
+
+
+def _key_range(key):
+    return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key))
+
+
+def acquire_txn(lock_prefix, key, value, lease_id, enqueue):
+    """ACQUIRE: take a free lock in one round trip or, if ``enqueue``, join the end of its queue.
+
+        If   create_revision(lock/*) == 0            the lock has no holder and no waiter
+        Then put(key, value, lease)                  ours: token = header.revision
+        Else [0] range(key)                          our key, if an earlier try of this request got through
+             [1] range(lock/*, create asc, limit 1)  the holder
+             [2] put(key, value, lease)              enqueue only: join the queue (a retry keeps its place)
+             [3] range(lock/*, create desc, limit 2) enqueue only: our new key, then the one just before it
+
+    Idempotent for one key, so a request whose answer was lost is simply sent again.
+    """
+    lock_end = _range_end(lock_prefix)
+    put = etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=key, value=value, lease=lease_id))
+    failure = [_key_range(key), _queue_range(lock_prefix, lock_end, sort_order=_ASCEND, limit=1)]
+    if enqueue:
+        failure += [put, _queue_range(lock_prefix, lock_end, sort_order=_DESCEND, limit=2)]
+    return etcdrpc.TxnRequest(
+        compare=[etcdrpc.Compare(result=_EQUAL, target=_CREATE, key=lock_prefix, range_end=lock_end,
+                                 create_revision=0)],
+        success=[put], failure=failure,
+    )
+
+
+def turn_txn(lock_prefix, key, revision, value, lease_id):
+    """TURN: a waiter whose predecessor went away takes the lock if nobody is left before it.
+
+        If   create_revision(key) == revision              still queued: our session lease is alive and no
+                                                           operator removed us (a waiter must never take the
+                                                           lock with an expired lease: etcd issue 11456)
+             create_revision(lock/*) > revision - 1        every key of the lock came after ours
+        Then put(key, value, lease)                        ours: token = header.revision (waiters watch with
+                                                           NOPUT, so this wakes nobody)
+        Else [0] range(key)                                empty: our key is gone, queue again
+             [1] range(lock/*, create < revision,          the key just before ours: watch it next
+                       create desc, limit 1)
+    """
+    lock_end = _range_end(lock_prefix)
+    put = etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=key, value=value, lease=lease_id))
+    return etcdrpc.TxnRequest(
+        compare=[
+            etcdrpc.Compare(result=_EQUAL, target=_CREATE, key=key, create_revision=revision),
+            etcdrpc.Compare(result=_GREATER, target=_CREATE, key=lock_prefix, range_end=lock_end,
+                            create_revision=revision - 1),
+        ],
+        success=[put],
+        failure=[_key_range(key),
+                 _queue_range(lock_prefix, lock_end, sort_order=_DESCEND, limit=1, max_create_revision=revision - 1)],
+    )
+
+
+def extend_txn(key, create_revision):
+    """EXTEND: If create_revision(key) == ours - still ours (a read); the new expiry lives in this process."""
+    return etcdrpc.TxnRequest(
+        compare=[etcdrpc.Compare(result=_EQUAL, target=_CREATE, key=key, create_revision=create_revision)],
+    )
+
+
+def release_txn(key, create_revision):
+    """RELEASE: If create_revision(key) == ours Then delete(key) - never deletes a later incarnation of the key."""
+    return etcdrpc.TxnRequest(
+        compare=[etcdrpc.Compare(result=_EQUAL, target=_CREATE, key=key, create_revision=create_revision)],
+        success=[etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=key))],
+    )
+
+
+# -- Talking to the cluster -------------------------------------------------------------------------
+
+#: Codes after which the same request goes to the next endpoint: the member is down, has no leader, or hung.
+_RETRIED_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+#: Makes a member without a leader refuse at once ("etcdserver: no leader") instead of holding the request.
+_REQUIRE_LEADER = (("hasleader", "true"),)
+#: A restarted member is reconnected to within a second, not after gRPC's default back-off of up to 2 minutes.
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+#: Seconds a request gets even when the caller's timeout is shorter (a non-blocking attempt still needs an answer).
+MIN_REQUEST_SECONDS = 1.0
+
+
+class _SessionGone(BackendUnavailable):
+    """etcd no longer knows the session lease ("requested lease not found"): it expired or was revoked."""
+
+
+class _Channel:
+    """One endpoint: its gRPC channel and the stubs of python3-etcd3's generated etcd API."""
+
+    def __init__(self, address):
+        self.address = address
+        self.channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.kv = etcdrpc.KVStub(self.channel)
+        self.lease = etcdrpc.LeaseStub(self.channel)
+        self.watch = etcdrpc.WatchStub(self.channel)
+
+
+class _Connection:
+    """The cluster's endpoints with failover: requests go to one endpoint until it fails, then to the next.
+
+    Built on the gRPC stubs python3-etcd3 generates rather than on its ``Etcd3Client``, which has one
+    timeout for every call (a caller's timeout could not bound a request), drops the transaction
+    header (the fencing token), shuns a failed endpoint for 5 minutes, and whose watch thread dies
+    with ``NameError: six`` when a stream ends, leaving waiters asleep.
+    """
+
+    def __init__(self, alias, addresses, timeout):
+        self.alias = alias
+        self.addresses = addresses
+        self.timeout = timeout
+        self._channels = None
+        self._current = 0
+        self._lock = threading.Lock()
+
+    def _channel(self):
+        with self._lock:
+            if self._channels is None:
+                self._channels = [_Channel(address) for address in self.addresses]
+            return self._channels[self._current]
+
+    def _failed(self, channel):
+        """Send the next requests to the endpoint after ``channel`` (unless another thread already moved on)."""
+        with self._lock:
+            if self._channels is not None and self._channels[self._current] is channel:
+                self._current = (self._current + 1) % len(self._channels)
+
+    def deadline(self, caller_deadline=None):
+        """Return when a request gives up: TIMEOUT from now, or the caller's deadline if sooner (but >= 1 s)."""
+        now = time.monotonic()
+        budget = self.timeout
+        if caller_deadline is not None:
+            budget = min(budget, max(caller_deadline - now, MIN_REQUEST_SECONDS))
+        return now + budget
+
+    def call(self, what, invoke, deadline):
+        """Return ``invoke(channel, timeout)``, trying the endpoints in turn until one answers or ``deadline`` passes.
+
+        Only idempotent requests go through here: a request whose answer was lost may have been applied.
+        """
+        attempt_limit = max(self.timeout / len(self.addresses), MIN_REQUEST_SECONDS)
+        pause = 0.02
+        failures = 0
+        while True:
+            channel = self._channel()
+            timeout = deadline - time.monotonic()
+            try:
+                return invoke(channel, max(min(timeout, attempt_limit), 0.001))
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code is grpc.StatusCode.NOT_FOUND and "lease not found" in (exc.details() or ""):
+                    raise _SessionGone(f"etcd alias '{self.alias}': {exc.details()} ({what}).") from exc
+                if code not in _RETRIED_CODES or time.monotonic() + pause >= deadline:
+                    hint = ("Check that the cluster is up and has a leader." if code in _RETRIED_CODES
+                            else "etcd refused the request.")
+                    raise BackendUnavailable(
+                        f"etcd alias '{self.alias}' could not {what}: {code.name}: {exc.details()} "
+                        f"(last endpoint {channel.address}; ENDPOINTS {', '.join(self.addresses)}). {hint}"
+                    ) from exc
+            except ValueError as exc:  # gRPC's "Cannot invoke RPC on closed channel!" while close() runs
+                raise BackendUnavailable(f"etcd alias '{self.alias}' could not {what}: {exc}") from exc
+            self._failed(channel)
+            failures += 1
+            if failures % len(self.addresses) == 0:  # every endpoint failed once: do not spin
+                time.sleep(pause)
+                pause = min(pause * 2, 0.5)
+
+    def txn(self, what, request, deadline):
+        return self.call(what, lambda channel, timeout: channel.kv.Txn(
+            request, timeout=timeout, metadata=_REQUIRE_LEADER), deadline)
+
+    def range(self, what, request, deadline):
+        return self.call(what, lambda channel, timeout: channel.kv.Range(
+            request, timeout=timeout, metadata=_REQUIRE_LEADER), deadline)
+
+    def delete(self, what, key, deadline):
+        return self.call(what, lambda channel, timeout: channel.kv.DeleteRange(
+            etcdrpc.DeleteRangeRequest(key=key), timeout=timeout, metadata=_REQUIRE_LEADER), deadline)
+
+    def grant_lease(self, ttl, deadline):
+        # Not idempotent: a grant whose answer is lost leaves a lease nobody keeps alive; it expires after ttl.
+        return self.call("grant a session lease", lambda channel, timeout: channel.lease.LeaseGrant(
+            etcdrpc.LeaseGrantRequest(TTL=ttl), timeout=timeout, metadata=_REQUIRE_LEADER), deadline)
+
+    def revoke_lease(self, lease_id, deadline):
+        return self.call("revoke the session lease", lambda channel, timeout: channel.lease.LeaseRevoke(
+            etcdrpc.LeaseRevokeRequest(ID=lease_id), timeout=timeout, metadata=_REQUIRE_LEADER), deadline)
+
+    def keep_alive(self, lease_id, deadline):
+        """Refresh the lease once; return its TTL as etcd reports it (0 or less: etcd no longer has it)."""
+        def invoke(channel, timeout):
+            stream = channel.lease.LeaseKeepAlive(iter([etcdrpc.LeaseKeepAliveRequest(ID=lease_id)]),
+                                                  timeout=timeout, metadata=_REQUIRE_LEADER)
+            try:
+                return next(stream).TTL
+            except StopIteration:
+                return 0
+            finally:
+                stream.cancel()
+
+        return self.call("keep the session lease alive", invoke, deadline)
+
+    def wait_for_deletion(self, key, start_revision, until):
+        """Return once ``key`` is deleted at or after ``start_revision``, the watch stream ends, or ``until`` passes.
+
+        The caller re-reads the queue whatever woke it, so a stream that broke (its member stopped or
+        lost the leader) wakes the waiter instead of leaving it blocked.
+        """
+        timeout = until - time.monotonic()
+        if timeout <= 0:
+            return
+        channel = self._channel()
+        request = etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(
+            key=key, start_revision=start_revision, filters=[etcdrpc.WatchCreateRequest.NOPUT]))
+        try:
+            stream = channel.watch.Watch(iter([request]), timeout=timeout, metadata=_REQUIRE_LEADER)
+        except ValueError:  # the channel was closed by close(); the next request reports it
+            return
+        try:
+            for response in stream:
+                if response.events or response.canceled or response.compact_revision:
+                    return
+        except grpc.RpcError as exc:
+            if exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                logger.info("etcd watch on %s ended (%s: %s); re-reading the queue", channel.address,
+                            exc.code().name, exc.details())
+                self._failed(channel)
+                time.sleep(min(0.05, max(until - time.monotonic(), 0)))  # do not spin on a member that is down
+        finally:
+            stream.cancel()
+
+    def close(self):
+        with self._lock:
+            channels, self._channels, self._current = self._channels, None, 0
+        for channel in channels or ():
+            channel.channel.close()
+
+
+# -- State kept by the backend ----------------------------------------------------------------------
+
+
+class _Session:
+    """One etcd lease shared by every key this backend owns in this process (like etcd's ``concurrency.Session``)."""
+
+    def __init__(self, lease_id, ttl, sent):
+        self.id = lease_id
+        #: The TTL etcd granted: at least its minimum (1.5 x election timeout), whatever LEASE_TTL asked.
+        self.ttl = ttl
+        #: Until then etcd keeps the lease even if no keepalive gets through: the last one that did was
+        #: *sent* at ``valid_until - ttl``, and etcd restarted the TTL when it arrived, later.
+        self.valid_until = sent + ttl
+        self.next_keepalive = sent + ttl / 3
+        #: Why it was declared lost, or None while alive.
+        self.lost = None
+        self.leases = weakref.WeakSet()
+
+
+@dataclass
+class _Contender:
+    """One acquire call: its key in the lock's queue and, once queued, that key's create revision."""
+
+    name: str
+    owner: str
+    lock_prefix: bytes
+    key: bytes
+    #: The key's create revision once queued: its identity for release and extend.
+    revision: int | None = None
+    #: The revision of the write that granted the lock (see the protocol): the fencing token.
+    token: int | None = None
+    #: The key's value (holder metadata), written again by TURN.
+    value: bytes = b""
+    #: True once a request that may have created the key was sent: leaving without the lock deletes it.
+    may_exist: bool = False
+    #: ACQUIRE and TURN requests sent; more than one means the call waited (``Lease.attempts``).
+    attempts: int = 0
+
+
+@dataclass(frozen=True)
+class _Held:
+    """``Lease.handle``: the key that holds the lock, its create revision (its identity) and its session."""
+
+    key: bytes
+    create_revision: int
+    session: _Session
+
+
+@dataclass
+class _Expiry:
+    """When the background thread deletes a held key whose per-call ttl ran out."""
+
+    key: bytes
+    create_revision: int
+    deadline: float  # time.monotonic()
+    #: Extensions in flight: the key is not deleted while one may still succeed.
+    extending: int = 0
+    deleting: bool = False
+
+
+def _parse_endpoints(value):
+    """Return ``value`` ("host:port,..." or a list of them) as a list of "host:port"; raise ``ValueError``."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    endpoints = []
+    for item in items:
+        if not isinstance(item, str):
+            raise ValueError(f"each endpoint must be a 'host:port' string, got {item!r}")
+        address = item.strip().removeprefix("http://")
+        if address.startswith("https://"):
+            raise ValueError(f"TLS endpoints are not supported, got {item!r}")
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"each endpoint must be 'host:port' with a port from 1 to 65535, got {item!r}")
+        endpoints.append(address)
+    if not endpoints:
+        raise ValueError("at least one endpoint is needed")
+    return endpoints
+
+
+def _check_endpoints(value):
+    if value is None:
+        return None
+    try:
+        _parse_endpoints(value)
+    except ValueError as exc:
+        return f"is not usable: {exc}"
+    return None
+
+
+def _check_lease_ttl(value):
+    if not 1 <= value <= 9_000_000_000:
+        return "must be a whole number of seconds from 1 to 9000000000 (etcd's maximum lease TTL)"
+    return None
+
+
+def _check_prefix(value):
+    return None if value else "must not be empty"
+
+
+def _check_port(value):
+    return None if value is None or 0 < value < 65536 else "must be a port number from 1 to 65535"
+
+
+def _parse_time(value):
+    return datetime.fromisoformat(value) if isinstance(value, str) else None
+
+
+class EtcdBackend(BaseLockBackend):
+    """Locks on an etcd v3 cluster: linearizable, granted in FIFO order, fenced by create revisions.
+
+    Each lock is a queue of keys, one per contender, attached to the process's session lease (see
+    the protocol at the top of this module). Acquiring a free lock costs one transaction; a waiter
+    watches only the key just before its own. One session lease per backend per process, granted
+    at the first acquisition and kept alive every TTL/3 by a background thread, is what etcd
+    frees a dead process's locks by: ``lease.session_timeout`` is its TTL as etcd granted it, which
+    etcd silently raises to its minimum (1.5 x election timeout: 2 s with default flags). If the
+    keepalive cannot get through for that long, every lease held on the session is marked lost and
+    ``lock_lost`` is sent; the next acquisition grants a new session lease.
+
+    The per-call ``ttl`` keeps its meaning: this process deletes the key when it runs out unless the
+    lease was extended.
+    """
+
+    capabilities = frozenset({SAFE_FENCING_TOKENS, NOTIFICATIONS})
+
+    options = {
+        "ENDPOINTS": Option((str, list, tuple, type(None)), None, check=_check_endpoints,
+                            expected="a list of 'host:port' strings or one comma-separated string"),
+        "HOST": Option((str, type(None)), None, expected="a host name or address"),
+        "PORT": Option((int, type(None)), None, check=_check_port, expected="an int"),
+        "LEASE_TTL": Option(int, 10, check=_check_lease_ttl, expected="a whole number of seconds (int)"),
+        "TIMEOUT": Option((int, float), 5, check=positive_number, expected="a number of seconds"),
+        "PREFIX": Option(str, "/distlock/", check=_check_prefix, expected="a str"),
+    }
+
+    @classmethod
+    def check_combination(cls, alias, options):
+        if options["ENDPOINTS"] is not None and (options["HOST"] is not None or options["PORT"] is not None):
+            raise ImproperlyConfigured(
+                f"DISTLOCK['{alias}']['OPTIONS'] gives both ENDPOINTS and HOST/PORT; "
+                "use ENDPOINTS for a cluster, or HOST/PORT for a single member."
+            )
+
+    def __init__(self, alias, options):
+        super().__init__(alias, options)
+        settings = self.settings
+        if settings["ENDPOINTS"] is not None:
+            endpoints = _parse_endpoints(settings["ENDPOINTS"])
+        else:
+            endpoints = [f"{settings['HOST'] or '127.0.0.1'}:{settings['PORT'] or 2379}"]
+        self._prefix = settings["PREFIX"].encode()
+        self._connection = _Connection(alias, endpoints, settings["TIMEOUT"])
+        #: Guards the session pointer, the expiry schedule and the cleanup sets (never held during I/O).
+        self._lock = threading.Lock()
+        #: Serialises granting a session lease, so concurrent first acquisitions share one.
+        self._session_grant_lock = threading.Lock()
+        self._session = None
+        self._expiries = {}
+        self._expiry_heap = []
+        self._orphan_keys = set()
+        self._orphan_leases = set()
+        self._keeper = None
+        self._keeper_wake = None
+        self._keeper_stop = None
+
+    def _lock_prefix(self, name):
+        return self._prefix + quote(name, safe="").encode() + b"/"
+
+    def _record(self, owner):
+        """Return the value stored in a contender's key, and its wall-clock creation time."""
+        holder = current_holder()
+        now = datetime.now(timezone.utc)
+        value = json.dumps({"owner": owner, "host": holder.host, "pid": holder.pid, "task_id": holder.task_id,
+                            "created_at": now.isoformat()})
+        return value.encode(), now
+
+    # -- acquiring -------------------------------------------------------------------------------
+
+    def acquire(self, name, *, ttl, timeout, blocking):
+        """Return a ``Lease`` on ``name``: one transaction if the lock is free, else a wait in its queue.
+
+        Raise ``LockNotAcquired`` on a miss or timeout (the queued key is deleted) and
+        ``BackendUnavailable`` if the cluster does not answer within the timeout.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        owner = new_owner()
+        lock_prefix = self._lock_prefix(name)
+        contender = _Contender(name=name, owner=owner, lock_prefix=lock_prefix, key=lock_prefix + owner.encode())
+        try:
+            while True:  # again only if our session lease expired before the lock came to us
+                session = self._live_session(deadline)
+                try:
+                    lease = self._join_and_wait(contender, session, ttl, deadline, blocking, timeout)
+                except _SessionGone as exc:
+                    self._session_lost(session, str(exc))
+                    contender.may_exist = False  # a key on an expired lease is deleted by etcd
+                    continue
+                if lease is not None:
+                    return lease
+        except BaseException as exc:
+            self._abandon(contender, exc)
+            raise
+
+    def _join_and_wait(self, contender, session, ttl, deadline, blocking, timeout):
+        """Send ACQUIRE; return the Lease, None if our key vanished with the session, or raise ``LockNotAcquired``."""
+        value, acquired_at = self._record(contender.owner)
+        contender.value = value
+        started = time.monotonic()
+        contender.may_exist = True
+        contender.attempts += 1
+        response = self._connection.txn(
+            "acquire a lock", acquire_txn(contender.lock_prefix, contender.key, value, session.id, blocking),
+            self._connection.deadline(deadline))
+        if response.succeeded:
+            contender.revision = contender.token = response.header.revision
+            return self._grant(contender, session, ttl, started, acquired_at)
+        own, holder = response.responses[0].response_range.kvs, response.responses[1].response_range.kvs
+        if own and holder[0].key == contender.key:  # a retry whose first try took the free lock
+            contender.revision, contender.token = own[0].create_revision, own[0].mod_revision
+            return self._grant(contender, session, ttl, started, acquired_at)
+        if not blocking:
+            contender.may_exist = bool(own)
+            raise LockNotAcquired(self._not_acquired_message(contender.name, blocking, timeout))
+        if own:  # a retry whose first try joined the queue: TURN finds the key before ours
+            contender.revision, predecessor = own[0].create_revision, None
+        else:
+            newest = response.responses[3].response_range.kvs
+            contender.revision = newest[0].create_revision
+            predecessor = newest[1].key if len(newest) > 1 else None
+        return self._wait_in_queue(contender, session, predecessor, response.header.revision, ttl, deadline, timeout)
+
+    def _wait_in_queue(self, contender, session, predecessor, seen_at, ttl, deadline, timeout):
+        """Wait until no key is left before ours; return the Lease, or None if our key is gone."""
+        while True:
+            if predecessor is not None:
+                until = time.monotonic() + self._connection.timeout
+                if deadline is not None:
+                    until = min(until, deadline)
+                self._connection.wait_for_deletion(predecessor, seen_at + 1, until)
+            acquired_at = datetime.now(timezone.utc)
+            started = time.monotonic()
+            contender.attempts += 1
+            response = self._connection.txn(
+                "wait for a lock",
+                turn_txn(contender.lock_prefix, contender.key, contender.revision, contender.value, session.id),
+                self._connection.deadline(deadline))
+            if response.succeeded:
+                contender.token = response.header.revision
+                return self._grant(contender, session, ttl, started, acquired_at)
+            own, before = response.responses[0].response_range.kvs, response.responses[1].response_range.kvs
+            if not own or own[0].create_revision != contender.revision:
+                logger.info("Lost our place in the queue of lock %r (session lease expired?); queueing again",
+                            contender.name)
+                contender.may_exist = False
+                return None
+            predecessor, seen_at = (before[0].key if before else None), response.header.revision
+            if deadline is not None and time.monotonic() >= deadline:
+                raise LockNotAcquired(self._not_acquired_message(contender.name, True, timeout))
+
+    def _grant(self, contender, session, ttl, started, acquired_at):
+        """Return the Lease for our key, or None (key deleted) if the session died before the answer came."""
+        with self._lock:
+            usable = session.lost is None and time.monotonic() < session.valid_until
+            if usable:
+                handle = _Held(contender.key, contender.revision, session)
+                lease = self.make_lease(contender.name, contender.owner, ttl, started, Grant(
+                    token=contender.token, acquired_at=acquired_at, handle=handle, session_timeout=session.ttl))
+                lease.attempts = contender.attempts
+                session.leases.add(lease)
+                self._schedule_expiry(_Expiry(contender.key, contender.revision, started + ttl))
+        if usable:
+            return lease
+        # The key may outlive our belief in the session by a moment; nobody may think it holds the lock.
+        self._connection.delete("delete a key of an expired session", contender.key, self._connection.deadline())
+        contender.may_exist = False
+        return None
+
+    def _abandon(self, contender, reason):
+        """Delete the key of an acquire call that leaves without the lock: now, or from the background thread.
+
+        Straight to the background when ``reason`` is the cluster not answering, so the caller's
+        timeout is not spent twice.
+        """
+        if not contender.may_exist:
+            return
+        if not isinstance(reason, BackendUnavailable):
+            try:
+                self._connection.delete("leave a lock queue", contender.key,
+                                        time.monotonic() + min(self._connection.timeout, MIN_REQUEST_SECONDS))
+                return
+            except BackendUnavailable as exc:
+                reason = exc
+        logger.warning("Could not leave the queue of lock %r (%s); retrying in the background", contender.name, reason)
+        with self._lock:
+            self._orphan_keys.add(contender.key)
+        self._wake_keeper()
+
+    # -- the session lease -----------------------------------------------------------------------
+
+    def _live_session(self, caller_deadline):
+        """Return the session lease, granting one if there is none (one round trip, the first time only)."""
+        with self._session_grant_lock:
+            session = self._session
+            if session is not None and session.lost is None and time.monotonic() < session.valid_until:
+                return session
+            if session is not None:
+                self._session_lost(session, "its keepalive did not get through in time")
+            sent = time.monotonic()
+            response = self._connection.grant_lease(self.settings["LEASE_TTL"],
+                                                    self._connection.deadline(caller_deadline))
+            if response.error:
+                raise BackendUnavailable(f"etcd alias '{self.alias}' refused a session lease: {response.error}")
+            session = _Session(response.ID, response.TTL, sent)
+            if response.TTL != self.settings["LEASE_TTL"]:
+                logger.info("etcd alias '%s' granted a session lease of %ss instead of LEASE_TTL=%ss (its minimum)",
+                            self.alias, response.TTL, self.settings["LEASE_TTL"])
+            with self._lock:
+                self._session = session
+            self._ensure_keeper()
+            return session
+
+    def _keep_alive(self, session):
+        sent = time.monotonic()
+        try:
+            ttl = self._connection.keep_alive(session.id, min(session.valid_until, sent + self._connection.timeout))
+        except BackendUnavailable as exc:
+            logger.warning("etcd alias '%s': session lease keepalive failed (%s); %.1fs left before it expires",
+                           self.alias, exc, session.valid_until - time.monotonic())
+            session.next_keepalive = time.monotonic() + min(0.5, session.ttl / 6)
+            return
+        if ttl <= 0:
+            self._session_lost(session, "etcd no longer has it (it expired or was revoked)")
+            return
+        session.valid_until = sent + ttl
+        session.next_keepalive = sent + ttl / 3
+
+    def _session_lost(self, session, reason):
+        """Mark every lease held on ``session`` lost (once) and forget the session; revoke it when reachable."""
+        with self._lock:
+            if session.lost is not None:
+                return
+            session.lost = reason
+            leases = list(session.leases)
+            if self._session is session:
+                self._session = None
+            # Revoking makes etcd drop the keys now, in case it still has the lease we gave up on.
+            self._orphan_leases.add(session.id)
+            for lease in leases:
+                self._forget_expiry(lease.handle.key)
+        for lease in leases:
+            lease.mark_lost(f"its etcd session lease {session.id:x} was lost: {reason}")
+        self._wake_keeper()
+
+    # -- the per-call ttl ------------------------------------------------------------------------
+
+    def _schedule_expiry(self, expiry):
+        """Have the background thread delete ``expiry.key`` at ``expiry.deadline`` (call with ``_lock`` held)."""
+        self._expiries[expiry.key] = expiry
+        heapq.heappush(self._expiry_heap, (expiry.deadline, expiry.key))
+        if self._expiry_heap[0][1] == expiry.key:
+            self._wake_keeper()
+
+    def _forget_expiry(self, key):
+        """Drop ``key``'s expiry (call with ``_lock`` held); rebuild the heap once stale entries dominate it.
+
+        Released keys leave their heap entries behind; without the rebuild each would still wake the
+        background thread at its old deadline.
+        """
+        self._expiries.pop(key, None)
+        if len(self._expiry_heap) > 2 * len(self._expiries) + 64:
+            self._expiry_heap = [(expiry.deadline, key) for key, expiry in self._expiries.items()]
+            heapq.heapify(self._expiry_heap)
+
+    def _delete_expired(self, deadline):
+        now = time.monotonic()
+        due = []
+        with self._lock:
+            while self._expiry_heap and self._expiry_heap[0][0] <= now:
+                at, key = heapq.heappop(self._expiry_heap)
+                expiry = self._expiries.get(key)
+                # Skip stale heap entries, keys being extended (the extension re-schedules) or already going.
+                if expiry is None or expiry.deadline != at or expiry.extending or expiry.deleting:
+                    continue
+                expiry.deleting = True
+                due.append(expiry)
+        for expiry in due:
+            try:
+                self._connection.txn("delete a lock whose ttl ran out", release_txn(expiry.key, expiry.create_revision), deadline)
+            except BackendUnavailable as exc:
+                logger.warning("Could not delete expired lock key %r (%s); retrying", expiry.key, exc)
+                with self._lock:
+                    expiry.deleting = False
+                    expiry.deadline = time.monotonic() + 0.5
+                    heapq.heappush(self._expiry_heap, (expiry.deadline, expiry.key))
+                continue
+            with self._lock:
+                self._forget_expiry(expiry.key)
+
+    # -- the background thread -------------------------------------------------------------------
+
+    def _ensure_keeper(self):
+        with self._lock:
+            if self._keeper is not None and self._keeper.is_alive():
+                return
+            self._keeper_wake, self._keeper_stop = threading.Event(), threading.Event()
+            self._keeper = threading.Thread(
+                target=_run_keeper, args=(weakref.ref(self), self._keeper_wake, self._keeper_stop),
+                name=f"distlock-etcd-keeper:{self.alias}", daemon=True)
+            self._keeper.start()
+
+    def _wake_keeper(self):
+        wake = self._keeper_wake
+        if wake is not None:
+            wake.set()
+
+    def _keep(self):
+        """Do the background work that is due; return the seconds until more is due.
+
+        Keepalive first, with a budget that ends at the session's expiry, so that slow cleanups
+        cannot make the session expire.
+        """
+        session = self._session
+        if session is not None and session.lost is None:
+            if time.monotonic() >= session.valid_until:
+                self._session_lost(session, f"its keepalive did not get through for {session.ttl}s")
+            elif time.monotonic() >= session.next_keepalive:
+                self._keep_alive(session)
+        session = self._session
+        next_keepalive = session.next_keepalive if session is not None else float("inf")
+        cleanup_deadline = min(time.monotonic() + self._connection.timeout,
+                               max(next_keepalive, time.monotonic() + 0.2))
+        self._delete_expired(cleanup_deadline)
+        self._clean_orphans(cleanup_deadline)
+        with self._lock:
+            due = [next_keepalive]
+            if self._expiry_heap:
+                due.append(self._expiry_heap[0][0])
+            if self._orphan_keys or self._orphan_leases:
+                due.append(time.monotonic() + 0.5)
+        if session is not None:
+            due.append(session.valid_until)
+        return max(0.0, min(min(due) - time.monotonic(), 60.0))
+
+    def _clean_orphans(self, deadline):
+        with self._lock:
+            keys, lease_ids = list(self._orphan_keys), list(self._orphan_leases)
+        for key in keys:
+            try:
+                self._connection.delete("delete a key left behind", key, deadline)
+            except BackendUnavailable:
+                return
+            with self._lock:
+                self._orphan_keys.discard(key)
+        for lease_id in lease_ids:
+            try:
+                self._connection.revoke_lease(lease_id, deadline)
+            except _SessionGone:
+                pass  # expired already: nothing left to free
+            except BackendUnavailable:
+                return
+            with self._lock:
+                self._orphan_leases.discard(lease_id)
+
+    # -- holding ---------------------------------------------------------------------------------
+
+    def _do_release(self, lease):
+        handle = lease.handle
+        with self._lock:
+            handle.session.leases.discard(lease)
+            self._forget_expiry(handle.key)
+        try:
+            response = self._connection.txn("release a lock", release_txn(handle.key, handle.create_revision),
+                                            self._connection.deadline())
+        except BackendUnavailable:
+            # The key is ours alone (its name holds our owner id): delete it whenever the cluster answers.
+            with self._lock:
+                self._orphan_keys.add(handle.key)
+            self._wake_keeper()
+            raise
+        return response.succeeded
+
+    def session_valid_until(self, lease):
+        """The session lease's validity: the last keepalive that got through was sent ``ttl`` before it."""
+        return lease.handle.session.valid_until
+
+    def _do_extend(self, lease, ttl):
+        handle = lease.handle
+        started = time.monotonic()
+        with self._lock:
+            expiry = self._expiries.get(handle.key)
+            if expiry is None or expiry.deleting or expiry.create_revision != handle.create_revision or started >= expiry.deadline:
+                return False  # ran out (or released, or its session was lost): renewing comes too late
+            expiry.extending += 1
+        extended = False
+        try:
+            response = self._connection.txn("extend a lock", extend_txn(handle.key, handle.create_revision),
+                                             self._connection.deadline())
+            extended = response.succeeded
+        finally:
+            with self._lock:
+                expiry.extending -= 1
+                if extended:
+                    expiry.deadline = max(expiry.deadline, started + ttl)
+                heapq.heappush(self._expiry_heap, (expiry.deadline, expiry.key))
+            self._wake_keeper()
+        return extended
+
+    # -- operating -------------------------------------------------------------------------------
+
+    def held_locks(self, prefix=""):
+        start = self._prefix + quote(prefix, safe="").encode()
+        response = self._connection.range("list held locks", etcdrpc.RangeRequest(
+            key=start, range_end=_range_end(start), sort_target=_BY_CREATE, sort_order=_ASCEND),
+            self._connection.deadline())
+        holders = {}
+        for kv in response.kvs:  # ascending create revision: the first key of each lock holds it
+            quoted_name, separator, _ = kv.key[len(self._prefix):].rpartition(b"/")
+            if separator:
+                holders.setdefault(quoted_name, kv)
+        infos = [self._lock_info(unquote(quoted_name.decode()), kv) for quoted_name, kv in holders.items()]
+        return sorted(infos, key=lambda info: info.name)
+
+    def _lock_info(self, name, kv):
+        try:
+            record = json.loads(kv.value)
+        except ValueError:
+            record = {}
+        return LockInfo(
+            alias=self.alias, name=name, owner=kv.key.rpartition(b"/")[2].decode(), token=kv.mod_revision,
+            acquired_at=_parse_time(record.get("created_at")),
+            host=record.get("host", ""), pid=record.get("pid"), task_id=record.get("task_id", ""),
+        )
+
+    def force_release(self, name, owner):
+        lock_prefix = self._lock_prefix(name)
+        key = lock_prefix + owner.encode()
+        deadline = self._connection.deadline()
+        holder = self._connection.range("find a lock's holder", etcdrpc.RangeRequest(
+            key=lock_prefix, range_end=_range_end(lock_prefix), sort_target=_BY_CREATE, sort_order=_ASCEND,
+            limit=1), deadline).kvs
+        if not holder or holder[0].key != key:
+            return False
+        released = self._connection.txn("force-release a lock", release_txn(key, holder[0].create_revision),
+                                        deadline).succeeded
+        if released:
+            self._forget_forced(key)
+        return released
+
+    def _forget_forced(self, key):
+        """Mark this process's lease on ``key`` lost at once, if it has one, instead of at its next renewal."""
+        with self._lock:
+            session = self._session
+            leases = [lease for lease in (session.leases if session else ()) if lease.handle.key == key]
+            self._forget_expiry(key)
+        for lease in leases:
+            lease.mark_lost("an operator force-released it")
+
+    def ping(self):
+        self._connection.range("answer a ping", etcdrpc.RangeRequest(
+            key=self._prefix, range_end=_range_end(self._prefix), count_only=True), self._connection.deadline())
+
+    def close(self):
+        """Stop the background thread and revoke the session lease: every lock held through it is freed and lost."""
+        with self._lock:
+            keeper, stop, wake = self._keeper, self._keeper_stop, self._keeper_wake
+            self._keeper = self._keeper_stop = self._keeper_wake = None
+        if keeper is not None:
+            stop.set()
+            wake.set()
+            if keeper is not threading.current_thread():
+                keeper.join()
+        with self._lock:
+            session = self._session
+        if session is not None:
+            try:
+                self._connection.revoke_lease(session.id, time.monotonic() + MIN_REQUEST_SECONDS)
+            except BackendUnavailable as exc:
+                logger.warning("etcd alias '%s': could not revoke the session lease on close (%s); "
+                               "its locks are freed when it expires", self.alias, exc)
+            self._session_lost(session, "the backend was closed")
+        with self._lock:
+            self._orphan_leases.clear()
+            self._orphan_keys.clear()
+            self._expiries.clear()
+            self._expiry_heap.clear()
+        self._connection.close()
+
+
+def _run_keeper(backend_ref, wake, stop):
+    """Loop of the background thread; it holds the backend only weakly, so a dropped backend stops it."""
+    while not stop.is_set():
+        backend = backend_ref()
+        if backend is None:
+            return
+        wake.clear()
+        try:
+            wait = backend._keep()
+        except Exception:
+            logger.exception("etcd background work failed; retrying")
+            wait = 0.5
+        del backend
+        wake.wait(wait)

@@ -1,0 +1,110 @@
+"""In-process locks, for unit tests and single-process development: they exclude nobody in another process."""
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+
+from distlock.backends.base import NOTIFICATIONS, SAFE_FENCING_TOKENS, BaseLockBackend, Grant, LockInfo
+from distlock.holder import current_holder
+
+# Like Django's locmem cache: one store per alias, shared by every backend instance of that alias in
+# this process, so a backend rebuilt after a settings change still sees the locks and the token.
+_stores = {}
+_stores_lock = threading.Lock()
+
+
+@dataclass
+class _Record:
+    owner: str
+    token: int
+    expires: float  # time.monotonic()
+    info: LockInfo
+
+
+class _Store:
+    def __init__(self):
+        self.locks = {}
+        self.last_token = 0
+        self.changed = threading.Condition()
+
+
+class LocMemBackend(BaseLockBackend):
+    """Locks in a dict of this process; tokens from a per-alias counter that only grows."""
+
+    capabilities = frozenset({SAFE_FENCING_TOKENS, NOTIFICATIONS})
+
+    def __init__(self, alias, options):
+        super().__init__(alias, options)
+        with _stores_lock:
+            self._store = _stores.setdefault(alias, _Store())
+
+    def _live(self, name, now):
+        record = self._store.locks.get(name)
+        if record is not None and record.expires <= now:
+            del self._store.locks[name]
+            return None
+        return record
+
+    def _try_acquire(self, attempt):
+        name, owner, ttl = attempt.name, attempt.owner, attempt.ttl
+        store = self._store
+        with store.changed:
+            now = time.monotonic()
+            if self._live(name, now) is not None:
+                return None
+            store.last_token += 1
+            holder = current_holder()
+            grant = Grant(token=store.last_token)
+            store.locks[name] = _Record(owner, store.last_token, now + ttl, LockInfo(
+                alias=self.alias, name=name, owner=owner, token=store.last_token,
+                acquired_at=datetime.now(timezone.utc), host=holder.host, pid=holder.pid, task_id=holder.task_id,
+            ))
+            return grant
+
+    def _wait_for_release(self, attempt, remaining):
+        store = self._store
+        with store.changed:
+            record = self._live(attempt.name, time.monotonic())
+            if record is None:
+                return
+            # Wake at the holder's expiry at the latest: nobody notifies when a ttl runs out.
+            wait = record.expires - time.monotonic()
+            store.changed.wait(wait if remaining is None else min(wait, remaining))
+
+    def _delete_if_owner(self, name, owner):
+        store = self._store
+        with store.changed:
+            record = self._live(name, time.monotonic())
+            if record is None or record.owner != owner:
+                return False
+            del store.locks[name]
+            store.changed.notify_all()
+            return True
+
+    def _do_release(self, lease):
+        return self._delete_if_owner(lease.name, lease.owner)
+
+    def _do_extend(self, lease, ttl):
+        with self._store.changed:
+            record = self._live(lease.name, time.monotonic())
+            if record is None or record.owner != lease.owner:
+                return False
+            record.expires = time.monotonic() + ttl
+            return True
+
+    def held_locks(self, prefix=""):
+        with self._store.changed:
+            now, wall_now = time.monotonic(), datetime.now(timezone.utc)
+            return [
+                dataclasses.replace(r.info, expires_at=wall_now + timedelta(seconds=r.expires - now))
+                for name, r in list(self._store.locks.items())
+                if name.startswith(prefix) and self._live(name, now) is not None
+            ]
+
+    def force_release(self, name, owner):
+        return self._delete_if_owner(name, owner)
+
+    def ping(self):
+        return None

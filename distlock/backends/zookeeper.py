@@ -1,0 +1,907 @@
+"""ZooKeeper locks (kazoo): ephemeral sequential znodes, the holder's czxid as fencing token, session-aware leases."""
+
+import heapq
+import json
+import queue
+import re
+import threading
+import time
+import weakref
+from contextlib import contextmanager, suppress
+from datetime import datetime, timezone
+from functools import partial
+from urllib.parse import quote, unquote
+
+from kazoo.client import KazooClient, KazooState
+from kazoo.exceptions import (
+    BadVersionError,
+    ConnectionClosedError,
+    ConnectionLoss,
+    KazooException,
+    NodeExistsError,
+    NoNodeError,
+    NotEmptyError,
+    RolledBackError,
+    RuntimeInconsistency,
+    SessionExpiredError,
+)
+from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.protocol.connection import ConnectionHandler
+from kazoo.protocol.serialization import Connect
+from kazoo.protocol.states import EventType
+
+from distlock.backends.base import (
+    NOTIFICATIONS,
+    READ_WRITE,
+    SAFE_FENCING_TOKENS,
+    BaseLockBackend,
+    Grant,
+    LockInfo,
+    Option,
+    positive_number,
+)
+from distlock.exceptions import BackendUnavailable, LockNotAcquired
+from distlock.holder import current_holder, new_owner
+
+# -- Znode layout and protocol ---------------------------------------------------------------------
+#
+#   ROOT/<encoded name>                            persistent; exists only while someone holds or waits
+#   ROOT/<encoded name>/<owner>-<kind>-<sequence>  ephemeral sequential: one per holder or waiter;
+#                                                  kind "write" (lock(), write_lock()) or "read";
+#                                                  data: JSON {"owner", "host", "pid", "task_id"}
+#
+# - Who holds: a "write" node holds when no node with a lower sequence exists; a "read" node holds
+#   when no *write* node with a lower sequence exists. A waiter watches only the nearest node it waits
+#   for (a writer its predecessor, a reader the nearest earlier writer), so a release wakes one waiter
+#   instead of the herd.
+# - Fencing token: the zxid (ensemble-wide transaction id) of the holder node at its grant: its czxid
+#   when our node was the parent's only child at that zxid, else the mzxid of a set_data on our own
+#   node, sent once it finds it holds. A waiter's czxid dates from when it queued, older than tokens
+#   other names were granted meanwhile; and a node first in the listing read behind its create may
+#   still have had a predecessor at its czxid, granted a larger (re-stamped) token and gone in between.
+#   Re-stamping makes every token larger than every token granted before it, for any name of the
+#   ensemble, as the foundation contract promises. Uncontended: no extra request.
+# - Every write, even one that fails, is a transaction through the quorum, so each step below costs
+#   one transaction; reads sent right behind it on the same session (ZooKeeper answers a session's
+#   requests in order) add no round trip.
+# - Acquire, nobody else queuing: multi[create parent, create our node, set_data parent]: one request.
+#   Our node gets sequence 0 in the fresh parent, so we hold the lock without listing; the set_data
+#   returns the parent's stat at the multi's zxid: its mzxid is our node's czxid, its child count tells
+#   whether our node was alone. If the parent exists (NodeExists rolls the multi back), or the name
+#   was recently crowded: create our node alone (same multi without the parent), with a listing sent
+#   behind it. NoNode means a leaver just deleted the parent: start over.
+# - Release, alone since acquiring: multi[delete our node, delete parent]. NotEmpty (someone queued
+#   meanwhile) rolls it back; then, and when the name is crowded, delete our node alone.
+# - Whoever deletes its node alone (release, ttl expiry, a non-blocking miss, a timed-out or cancelled
+#   wait) lists the parent right behind the delete and deletes it if empty: the last one out removes
+#   the parent, so no empty znode is left behind. A delete racing a create fails harmlessly (NotEmpty),
+#   a create racing a delete gets NoNode and starts over.
+# - Lost replies: our node's name starts with the random owner id, so after a connection loss during
+#   its create we find it by listing (the trick kazoo took from Netflix Curator); a node we gave up on
+#   is deleted when its late reply arrives, or after reconnecting.
+
+ROOT_DEFAULT = "/distlock"
+WRITE, READ = "write", "read"
+
+_NODE_NAME = re.compile(r"^(?P<owner>[^-]+)-(?P<kind>read|write)-(?P<sequence>-?\d+)$")
+
+#: Seconds a request may outlast the caller's timeout: a non-blocking attempt (timeout 0) still needs
+#: one round trip. So a caller's timeout is honoured to within this when the ensemble does not answer.
+REQUEST_GRACE = 1.0
+
+#: kazoo reconnects with this back-off (seconds), instead of its default that grows to a minute.
+RECONNECT = {"max_tries": -1, "delay": 0.05, "backoff": 2, "max_delay": 1.0}
+
+#: How many recently crowded lock names a backend remembers (to skip a multi bound to fail).
+CROWDED_NAMES = 1024
+
+def encode_name(name):
+    """Return lock ``name`` as one valid znode name, reversibly.
+
+    Percent-encoded UTF-8 keeps only ``A-Z a-z 0-9 _ - ~ %``: no "/", no characters ZooKeeper refuses,
+    and "." is escaped as well because "." and ".." are not valid node names.
+    """
+    return quote(name, safe="").replace(".", "%2E")
+
+
+def decode_name(node):
+    return unquote(node)
+
+
+class NodeGone(Exception):
+    """Our znode is no longer there (its session ended, or an operator deleted it): queue again."""
+
+
+def blocker_of(node, children):
+    """Return the child ``node`` must wait for, None if it holds the lock; raise ``NodeGone`` if it is gone.
+
+    Pure function of one listing, so the rules of the layout above live in one place.
+    """
+    mine = _NODE_NAME.match(node)
+    if node not in children or mine is None:
+        raise NodeGone(node)
+    sequence, kind = int(mine["sequence"]), mine["kind"]
+    nearest, nearest_sequence = None, None
+    for child in children:
+        other = _NODE_NAME.match(child)
+        if other is None or (kind == READ and other["kind"] != WRITE):
+            continue
+        other_sequence = int(other["sequence"])
+        if other_sequence < sequence and (nearest_sequence is None or other_sequence > nearest_sequence):
+            nearest, nearest_sequence = child, other_sequence
+    return nearest
+
+
+def holders_of(children):
+    """Return the children holding the lock: the first writer, or the readers before the first writer."""
+    contenders = sorted((int(m["sequence"]), m["kind"], child)
+                        for child in children if (m := _NODE_NAME.match(child)))
+    holders = []
+    for _, kind, child in contenders:
+        if kind == WRITE:
+            return holders or [child]
+        holders.append(child)
+    return holders
+
+
+def _valid_hosts(value):
+    if not value.strip() or any(not host.strip() for host in value.split(",")):
+        return 'must list the ensemble as "host:port,host:port,..."'
+    return None
+
+
+def _valid_root(value):
+    segments = value.split("/")[1:]
+    if not value.startswith("/") or value == "/" or any(s in ("", ".", "..") for s in segments):
+        return 'must be an absolute znode path such as "/distlock", without a trailing "/"'
+    if segments[0] == "zookeeper":
+        return 'must not be under "/zookeeper", which the server reserves'
+    return None
+
+
+class _NegotiatingConnection(ConnectionHandler):
+    """kazoo's connection handler, remembering the session timeout the server negotiated.
+
+    kazoo reads it from the Connect reply but keeps it in a local variable; ``lease.session_timeout``
+    must report it, because the server frees a dead holder's lock after that time, not after the
+    one asked for (the server clamps it between 2 and 20 ticks). Pinned by test_zookeeper.py.
+    """
+
+    negotiated_timeout = None
+
+    def _invoke(self, timeout, request, xid=None):
+        result = super()._invoke(timeout, request, xid)
+        if isinstance(request, Connect):
+            self.negotiated_timeout = result[0].time_out / 1000
+        return result
+
+
+class _Contender:
+    """One acquisition attempt: its node's name prefix, and the node once created."""
+
+    def __init__(self, parent, owner, kind):
+        self.parent = parent
+        self.owner = owner
+        self.prefix = f"{owner}-{kind}-"
+        holder = current_holder()
+        self.data = json.dumps({"owner": owner, "host": holder.host, "pid": holder.pid,
+                                "task_id": holder.task_id}).encode()
+        #: Full path of our node once its create answered; None before.
+        self.path = None
+        #: The node's czxid once created, its mzxid once re-stamped at the grant.
+        self.token = None
+        #: True while ``token`` was issued by the request that showed the grant (no re-stamp needed).
+        self.token_fresh = False
+        #: True after a create whose reply was lost: the node may exist, findable by ``prefix``.
+        self.uncertain = False
+        #: The backend's session epoch before the node was created: a LOST since then took the node.
+        self.epoch = None
+
+    @property
+    def node(self):
+        return self.path.rsplit("/", 1)[1]
+
+    @property
+    def sequence(self):
+        return int(_NODE_NAME.match(self.node)["sequence"])
+
+    def forget_node(self):
+        """The node went with its session (or was deleted): the next round creates a new one."""
+        self.path = self.token = None
+        self.uncertain = False
+        self.token_fresh = False
+
+
+class _ExpiryTimer:
+    """Delete holders' znodes when their ttl runs out: ZooKeeper itself knows only sessions.
+
+    One daemon thread per kazoo client, waiting on a condition for the earliest deadline (monotonic);
+    an extension moves a deadline (a shorter ttl, earlier), a release cancels it. ``expire`` must not
+    block.
+    """
+
+    def __init__(self, expire, name):
+        self._expire = expire
+        self._deadlines = {}
+        self._heap = []  # (deadline, path); entries whose deadline moved are skipped when they surface
+        self._changed = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def schedule(self, path, deadline):
+        with self._changed:
+            self._deadlines[path] = deadline
+            heapq.heappush(self._heap, (deadline, path))
+            if self._heap[0] == (deadline, path):
+                self._changed.notify()  # wake the thread only if it now has to wake sooner
+
+    def move(self, path, deadline):
+        """Set ``path``'s deadline, earlier or later; return False if it already expired or was cancelled."""
+        with self._changed:
+            if path not in self._deadlines:
+                return False
+            self._deadlines[path] = deadline
+            heapq.heappush(self._heap, (deadline, path))
+            if self._heap[0] == (deadline, path):
+                self._changed.notify()
+            self._compact()
+            return True
+
+    def cancel(self, path):
+        with self._changed:
+            self._deadlines.pop(path, None)
+            self._compact()
+
+    def _compact(self):
+        """Drop stale heap entries once they outnumber live ones, so long ttls cannot pile them up."""
+        if len(self._heap) > 2 * len(self._deadlines) + 1024:
+            self._heap = [(deadline, path) for path, deadline in self._deadlines.items()]
+            heapq.heapify(self._heap)
+
+    def stop(self):
+        with self._changed:
+            self._stopped = True
+            self._changed.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _due(self):
+        """Pop and return the paths whose deadline passed; the caller holds the condition."""
+        now, due = time.monotonic(), []
+        while self._heap and self._heap[0][0] <= now:
+            deadline, path = heapq.heappop(self._heap)
+            if self._deadlines.get(path) == deadline:
+                del self._deadlines[path]
+                due.append(path)
+        return due
+
+    def _run(self):
+        while True:
+            with self._changed:
+                due = self._due()
+                if not due:
+                    if self._stopped:
+                        return
+                    wait = self._heap[0][0] - time.monotonic() if self._heap else None
+                    self._changed.wait(wait)
+                    continue
+            for path in due:
+                self._expire(path)
+
+
+class ZooKeeperBackend(BaseLockBackend):
+    """Locks as ephemeral sequential znodes on a ZooKeeper ensemble (layout and protocol above).
+
+    One kazoo client per backend, hence per alias and process, shared by every lease and thread and
+    connected on first use. kazoo's connection states (``kazoo/protocol/states.py``) map onto leases:
+
+    - SUSPENDED, "the connection has been lost but may be recovered ... A client should not assume
+      that locks are valid during this time": held leases are suspended, ``check()`` raises
+      ``LockSuspended``.
+    - CONNECTED again, same session: a suspended lease whose znode still exists is valid again; one
+      whose znode is gone is marked lost.
+    - LOST, "the connection has been confirmed dead ... locks ... can be considered lost": held leases
+      are marked lost and ``lock_lost`` is sent. So are leases whose connection stayed suspended longer
+      than the session timeout: the server has expired the session by then, even if this client
+      cannot reach a server to hear it.
+
+    ``ttl`` keeps its meaning: this process deletes the znode when it runs out unless extended. A
+    holder that dies or hangs is freed by the server only when its session expires,
+    ``lease.session_timeout`` seconds (as negotiated with the server) after its last heartbeat.
+    """
+
+    #: safe_fencing_tokens: czxids never go backwards. read_write: ``acquire_shared()``.
+    #: notifications: waiters watch their predecessor's znode.
+    capabilities = frozenset({SAFE_FENCING_TOKENS, READ_WRITE, NOTIFICATIONS})
+
+    options = {
+        "HOSTS": Option(str, required=True, check=_valid_hosts,
+                        expected='the ensemble as "host:port,host:port,..."'),
+        "ROOT": Option(str, ROOT_DEFAULT, check=_valid_root, expected='an absolute znode path such as "/distlock"'),
+        "SESSION_TIMEOUT": Option((int, float), 10, check=positive_number, expected="a number of seconds"),
+        "CONNECTION_TIMEOUT": Option((int, float), 5, check=positive_number, expected="a number of seconds"),
+    }
+
+    def __init__(self, alias, options):
+        super().__init__(alias, options)
+        self._root = self.settings["ROOT"]
+        self._client = None
+        self._client_lock = threading.Lock()
+        #: Set while kazoo reports CONNECTED; cleared by SUSPENDED and LOST.
+        self._connected = threading.Event()
+        #: Guards the state below, and orders lease suspension and registration against state changes.
+        self._registry_lock = threading.Lock()
+        self._held = weakref.WeakValueDictionary()  # node path -> Lease
+        self._waiters = set()  # Events of threads waiting for a predecessor, woken on state changes
+        self._litter = set()  # (parent, prefix, path or None): nodes to delete once connected again
+        self._crowded_parents = {}  # parents recently seen with other contenders, oldest first
+        #: Incremented (under the registry lock) on every LOST: leases of an older epoch died with it.
+        self._session_epoch = 0
+        self._expiry = None
+        self._states = None
+        self._state_thread = None
+
+    # -- the client and its connection states ------------------------------------------------------
+
+    def _session(self, io_deadline):
+        """Return the kazoo client once connected, waiting until ``io_deadline``; raise ``BackendUnavailable``."""
+        client = self._client or self._start_client()
+        if not self._connected.wait(max(io_deadline - time.monotonic(), 0)):
+            raise BackendUnavailable(
+                f"ZooKeeper alias '{self.alias}' could not connect to {self.settings['HOSTS']} in time; "
+                "check that the ensemble is up and reachable (OPTIONS['CONNECTION_TIMEOUT'] bounds the wait)."
+            )
+        return client
+
+    def _start_client(self):
+        with self._client_lock:
+            if self._client is None:
+                client = KazooClient(hosts=self.settings["HOSTS"], timeout=self.settings["SESSION_TIMEOUT"],
+                                     connection_retry=RECONNECT)
+                client._connection = _NegotiatingConnection(client, client._conn_retry.copy(), logger=client.logger)
+                self._expiry = _ExpiryTimer(self._expire, name=f"distlock-zk-expiry:{self.alias}")
+                self._states = queue.SimpleQueue()
+                self._state_thread = threading.Thread(target=self._follow_states, args=(client, self._states),
+                                                      name=f"distlock-zk-states:{self.alias}", daemon=True)
+                self._state_thread.start()
+                client.add_listener(self._on_state)
+                client.start_async()
+                self._client = client
+            return self._client
+
+    @property
+    def session_timeout(self):
+        """Seconds after which the server expires this client's session if it stops heartbeating."""
+        connection = self._client and self._client._connection
+        return (connection and connection.negotiated_timeout) or self.settings["SESSION_TIMEOUT"]
+
+    def _on_state(self, state):
+        """Run in kazoo's connection thread: flag leases and wake waiters, hand everything else off."""
+        if state == KazooState.CONNECTED:
+            self._connected.set()
+        else:
+            self._connected.clear()
+            with self._registry_lock:
+                if state == KazooState.LOST:
+                    self._session_epoch += 1
+                for lease in self._held.values():
+                    lease.mark_suspended(True)
+        with self._registry_lock:
+            waiters = list(self._waiters)
+        for wake in waiters:
+            wake.set()
+        self._states.put(state)
+
+    def _follow_states(self, client, states):
+        """React to connection states off kazoo's thread, where blocking requests are allowed."""
+        suspended_since = None
+        while True:
+            wait = None
+            if suspended_since is not None:
+                wait = max(suspended_since + self.session_timeout - time.monotonic(), 0)
+            try:
+                state = states.get(timeout=wait)
+            except queue.Empty:
+                suspended_since = None
+                self._lose_all(f"the connection stayed suspended longer than the session timeout "
+                               f"({self.session_timeout:g}s), so the server has expired the session")
+                continue
+            if state is None:
+                return
+            if state == KazooState.SUSPENDED:
+                suspended_since = suspended_since or time.monotonic()
+            elif state == KazooState.LOST:
+                suspended_since = None
+                self._lose_all("the ZooKeeper session expired (its ephemeral znodes are gone)")
+            else:
+                suspended_since = None
+                self._revalidate(client)
+                self._sweep_litter(client)
+
+    def _lose_all(self, reason):
+        with self._registry_lock:
+            leases = list(self._held.values())
+            self._held.clear()
+            # If the session survives after all, its nodes must not block others: delete them on reconnect.
+            self._litter.update((lease.handle.rsplit("/", 1)[0], None, lease.handle) for lease in leases)
+        for lease in leases:
+            self._expiry.cancel(lease.handle)
+            lease.mark_lost(reason)
+
+    def _revalidate(self, client):
+        """After a reconnection within the session: unsuspend leases whose znode is still ours."""
+        with self._registry_lock:
+            suspended = [lease for lease in self._held.values() if lease.suspended]
+        if not suspended:
+            return
+        replies = [(lease, client.exists_async(lease.handle)) for lease in suspended]
+        session_id = (client.client_id or (None,))[0]
+        io_deadline = self._io_deadline(None)
+        for lease, reply in replies:
+            try:
+                stat = self._result(reply, io_deadline)
+            except (KazooException, BackendUnavailable):
+                continue  # still uncertain: the next reconnection, or the session timeout, decides
+            if stat is not None and stat.ephemeralOwner == session_id:
+                with self._registry_lock:
+                    # The listener clears _connected before suspending under this lock: no lost update.
+                    if self._connected.is_set():
+                        lease.mark_suspended(False)
+            else:
+                self._forget(lease.handle)
+                lease.mark_lost("its znode was gone when the connection came back")
+
+    def _sweep_litter(self, client):
+        with self._registry_lock:
+            litter, self._litter = self._litter, set()
+        io_deadline = self._io_deadline(None)
+        for parent, prefix, path in litter:
+            try:
+                paths = [path] if path else [f"{parent}/{child}" for child in self._children(client, parent, io_deadline)
+                                             if child.startswith(prefix)]
+                for node in paths:
+                    with suppress(NoNodeError):
+                        self._result(client.delete_async(node), io_deadline)
+                client.delete_async(parent)
+            except (KazooException, BackendUnavailable):
+                with self._registry_lock:
+                    self._litter.add((parent, prefix, path))
+
+    def _children(self, client, parent, io_deadline):
+        try:
+            return self._result(client.get_children_async(parent), io_deadline)
+        except NoNodeError:
+            return []
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def _io_deadline(self, deadline):
+        """Return when a request must have answered: CONNECTION_TIMEOUT from now, sooner near the caller's deadline."""
+        now = time.monotonic()
+        bound = self.settings["CONNECTION_TIMEOUT"]
+        if deadline is not None:
+            bound = min(bound, max(deadline - now, 0) + REQUEST_GRACE)
+        return now + bound
+
+    def _result(self, reply, io_deadline):
+        """Return a request's result, raising its kazoo error; ``BackendUnavailable`` if it is late."""
+        try:
+            return reply.get(timeout=max(io_deadline - time.monotonic(), 0))
+        except KazooTimeoutError as exc:
+            raise BackendUnavailable(
+                f"ZooKeeper alias '{self.alias}' ({self.settings['HOSTS']}) did not answer in time; "
+                "OPTIONS['CONNECTION_TIMEOUT'] bounds each request."
+            ) from exc
+
+    @contextmanager
+    def _translate_errors(self, action):
+        """Turn any kazoo error into ``BackendUnavailable``: a lock fails closed."""
+        try:
+            yield
+        except (KazooException, KazooTimeoutError) as exc:
+            raise BackendUnavailable(
+                f"ZooKeeper alias '{self.alias}' ({self.settings['HOSTS']}) failed while {action}: {exc!r}"
+            ) from exc
+
+    def _parent_path(self, name):
+        return f"{self._root}/{encode_name(name)}"
+
+    def _crowded(self, parent, crowded=True):
+        """Remember (or forget) that others queue under ``parent``: then a multi would only fail."""
+        with self._registry_lock:
+            if not crowded:
+                self._crowded_parents.pop(parent, None)
+                return
+            self._crowded_parents[parent] = True
+            if len(self._crowded_parents) > CROWDED_NAMES:
+                del self._crowded_parents[next(iter(self._crowded_parents))]
+
+    def _send_leave(self, path, *, awaited=False):
+        """Delete ``path``, and its parent if that leaves it empty, without waiting; return the node's reply.
+
+        Unless the caller ``awaited`` the reply itself, a delete cut off by a connection loss is kept
+        as litter, to be deleted after reconnecting.
+        """
+        client, parent = self._client, path.rsplit("/", 1)[0]
+        if client is None:
+            return None
+        reply = client.delete_async(path)
+        if not awaited:
+            reply.rawlink(partial(self._left, parent, path))
+        client.get_children_async(parent).rawlink(partial(self._delete_if_empty, client, parent))
+        return reply
+
+    def _left(self, parent, path, reply):
+        """kazoo callback: keep a node whose delete was cut off, to delete it once reconnected."""
+        if isinstance(reply.exception, ConnectionLoss):
+            with self._registry_lock:
+                self._litter.add((parent, None, path))
+
+    def _delete_if_empty(self, client, parent, listing):
+        """kazoo callback: the last one out deletes the parent (NotEmpty if someone just queued: fine)."""
+        if listing.successful() and not listing.value:
+            self._crowded(parent, False)
+            client.delete_async(parent)
+
+    def _forget(self, path):
+        with self._registry_lock:
+            self._held.pop(path, None)
+        if self._expiry is not None:
+            self._expiry.cancel(path)
+
+    def _expire(self, path):
+        """Expiry timer callback: the lease's ttl ran out, its holder did not extend it."""
+        with self._registry_lock:
+            self._held.pop(path, None)
+        self._send_leave(path)
+
+    # -- acquiring -------------------------------------------------------------------------------
+
+    def acquire(self, name, *, ttl, timeout, blocking):
+        """Return an exclusive ``Lease`` on ``name`` (a write node: it excludes readers as well)."""
+        return self._acquire(name, WRITE, ttl=ttl, timeout=timeout, blocking=blocking)
+
+    def acquire_shared(self, name, mode, *, ttl, timeout, blocking):
+        """Return a ``Lease`` on the read/write lock ``name``: ``mode`` "read" (shared) or "write" (exclusive)."""
+        if mode not in (READ, WRITE):
+            raise ValueError(f'mode must be "read" or "write", got {mode!r}.')
+        return self._acquire(name, mode, ttl=ttl, timeout=timeout, blocking=blocking)
+
+    def _acquire(self, name, kind, *, ttl, timeout, blocking):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        contender = _Contender(self._parent_path(name), new_owner(), kind)
+        looks = 0
+        with self._translate_errors(f"acquiring lock {name!r}"):
+            try:
+                while True:
+                    started, round_looks = self._take_turn(contender, deadline, blocking, name, timeout)
+                    looks += round_looks
+                    lease = self.make_lease(name, contender.owner, ttl, started, Grant(
+                        token=contender.token, handle=contender.path, session_timeout=self.session_timeout))
+                    lease.attempts = looks
+                    if lease.remaining() > 0 and self._hold(lease, contender.epoch):
+                        return lease
+                    # The grant came back after the ttl had run out (this process paused, or the
+                    # ensemble is slower than the ttl), or the session that made the node ended before
+                    # the lease was registered (so LOST found no lease to mark): never hand out such a
+                    # lease. Give the node back and queue again while the timeout allows.
+                    self._send_leave(contender.path)
+                    contender.forget_node()
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise LockNotAcquired(
+                            f"Lock {name!r} on alias '{self.alias}' not acquired: its grant arrived after the "
+                            f"ttl of {ttl:g}s had run out, or after its session ended; retry or use a longer ttl."
+                        )
+            except BaseException:
+                self._abandon(contender)
+                raise
+
+    def _hold(self, lease, epoch):
+        """Register a granted lease for state changes and expiry; False if its session ended since ``epoch``."""
+        with self._registry_lock:
+            if epoch != self._session_epoch:
+                return False
+            self._held[lease.handle] = lease
+            if not self._connected.is_set():
+                lease.mark_suspended(True)
+        self._expiry.schedule(lease.handle, time.monotonic() + lease.ttl)
+        return True
+
+    def _take_turn(self, contender, deadline, blocking, name, timeout):
+        """Queue ``contender`` and wait until its node holds the lock.
+
+        Return when the request that showed the grant was sent (monotonic), and how many looks it took.
+        """
+        looks = 0
+        while True:
+            looks += 1
+            io_deadline = self._io_deadline(deadline)
+            # Read before any request of this round: a LOST after it makes the node's epoch stale.
+            epoch = self._session_epoch
+            started = time.monotonic()
+            contender.token_fresh = False
+            try:
+                client = self._session(io_deadline)
+                if contender.path is None:
+                    children = self._enter_queue(client, contender, io_deadline)
+                    contender.epoch = epoch
+                    if children is None:
+                        return started, looks
+                else:
+                    children = self._children(client, contender.parent, io_deadline)
+                blocker = blocker_of(contender.node, children)
+                if len(children) > 1:
+                    self._crowded(contender.parent)
+                if blocker is None:
+                    if not contender.token_fresh:
+                        self._restamp(client, contender, io_deadline)
+                    return started, looks
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if not blocking or (remaining is not None and remaining <= 0):
+                    raise LockNotAcquired(self._not_acquired_message(name, blocking, timeout))
+                self._wait_for(client, f"{contender.parent}/{blocker}", remaining, io_deadline)
+            except ConnectionClosedError:
+                raise  # the backend was closed under us: BackendUnavailable, no new session
+            except ConnectionLoss:
+                # Whether a create ran is unknown; the session, and any node of ours, live on.
+                contender.uncertain = contender.path is None
+            except (SessionExpiredError, NodeGone):
+                contender.forget_node()
+
+    def _enter_queue(self, client, contender, io_deadline):
+        """Create ``contender``'s node (or find the one a lost reply created); record its path and token.
+
+        Return the children listed right behind the create, or None if the node is the first one in a
+        parent it created itself: then it holds the lock.
+        """
+        if contender.uncertain:
+            contender.uncertain = False
+            children = self._children(client, contender.parent, io_deadline)
+            for child in children:
+                if child.startswith(contender.prefix):
+                    stat = self._result(client.exists_async(f"{contender.parent}/{child}"), io_deadline)
+                    if stat is not None:
+                        contender.path, contender.token = f"{contender.parent}/{child}", stat.czxid
+                        return children
+        while True:
+            with self._registry_lock:
+                crowded = contender.parent in self._crowded_parents
+            try:
+                return self._create(client, contender, io_deadline, with_parent=not crowded)
+            except NodeExistsError:
+                self._crowded(contender.parent)  # the parent exists: others queue
+            except NoNodeError:
+                if crowded:
+                    self._crowded(contender.parent, False)  # a leaver deleted the parent: start over
+                else:  # no ROOT yet (first use of this alias)
+                    with suppress(NodeExistsError):
+                        self._result(client.create_async(self._root, makepath=True), io_deadline)
+
+    def _create(self, client, contender, io_deadline, *, with_parent):
+        """Create the node in one multi, with its parent if ``with_parent``; record its path and token.
+
+        Return the children listed right behind the multi, or None when the multi made the parent too:
+        the node is then its first child and holds the lock. The multi ends by stamping the parent
+        (set_data): all operations of a multi share one zxid, so the returned mzxid is our node's czxid,
+        and the token comes with the reply.
+        """
+        transaction = client.transaction()
+        if with_parent:
+            transaction.create(contender.parent)
+        transaction.create(f"{contender.parent}/{contender.prefix}", contender.data, ephemeral=True, sequence=True)
+        transaction.set_data(contender.parent, b"")
+        committed = transaction.commit_async()
+        listing = None if with_parent else client.get_children_async(contender.parent)
+        try:
+            results = self._result(committed, io_deadline)
+        except BackendUnavailable:
+            committed.rawlink(self._delete_late_node)
+            raise
+        made_node, stamped = results[-2:]
+        if not isinstance(made_node, str):  # a failed multi: raise the error of the operation that failed
+            raise next(result for result in results if not isinstance(result, (RolledBackError, RuntimeInconsistency)))
+        contender.path, contender.token = made_node, stamped.mzxid
+        # The czxid is a safe token only if our node was alone at that zxid. The listing behind the
+        # multi is read later: a node queued before ours may have been granted (re-stamped above our
+        # czxid) and released in between, so "first in the listing" alone would hand us a lower token.
+        contender.token_fresh = stamped.numChildren == 1
+        if listing is None:
+            return None
+        try:
+            return self._result(listing, io_deadline)
+        except NoNodeError:
+            return []
+
+    def _restamp(self, client, contender, io_deadline):
+        """Give a holder that queued a token of its grant: the mzxid of a write to its own node."""
+        try:
+            stat = self._result(client.set_async(contender.path, contender.data), io_deadline)
+        except NoNodeError:
+            raise NodeGone(contender.path) from None
+        contender.token = stat.mzxid
+
+    def _delete_late_node(self, reply):
+        """kazoo callback for a create we gave up on: delete the node if it was made after all."""
+        if not reply.successful():
+            return
+        made_node = reply.value[-2]  # the multi's results: [create parent,] create node, set_data parent
+        if isinstance(made_node, str):
+            self._send_leave(made_node)
+
+    def _wait_for(self, client, path, remaining, io_deadline):
+        """Sleep until ``path`` is deleted, the connection changes state, or ``remaining`` seconds pass."""
+        wake = threading.Event()
+
+        def watch(event):
+            # A holder that queued re-stamps its node (set_data) at its grant: that is no release.
+            # Watches fire once, so re-arm; a node gone meanwhile (None, or an error) wakes us.
+            if event.type == EventType.CHANGED:
+                client.exists_async(path, watch=watch).rawlink(
+                    lambda reply: None if reply.successful() and reply.value is not None else wake.set())
+            else:
+                wake.set()
+
+        with self._registry_lock:
+            self._waiters.add(wake)
+        try:
+            try:
+                self._result(client.get_async(path, watch=watch), io_deadline)
+            except NoNodeError:
+                return
+            wake.wait(remaining)
+        finally:
+            with self._registry_lock:
+                self._waiters.discard(wake)
+
+    def _abandon(self, contender):
+        """Withdraw a contender that timed out, missed, or was interrupted; never blocks."""
+        if contender.path is not None:
+            self._send_leave(contender.path)
+        elif contender.uncertain:
+            with self._registry_lock:
+                self._litter.add((contender.parent, contender.prefix, None))
+
+    # -- holding -------------------------------------------------------------------------------
+
+    def _do_release(self, lease):
+        path, parent = lease.handle, lease.handle.rsplit("/", 1)[0]
+        self._forget(path)
+        client = self._client
+        if client is None:
+            return False
+        io_deadline = self._io_deadline(None)
+        with self._translate_errors(f"releasing lock {lease.name!r}"):
+            try:
+                with self._registry_lock:
+                    crowded = parent in self._crowded_parents
+                if not crowded:
+                    transaction = client.transaction()
+                    transaction.delete(path)
+                    transaction.delete(parent)
+                    deleted_node, deleted_parent = self._result(transaction.commit_async(), io_deadline)
+                    if deleted_parent is True:
+                        return True
+                    if isinstance(deleted_node, NoNodeError):
+                        return False  # gone already: expired, force-released, or its session ended
+                    if not isinstance(deleted_parent, NotEmptyError):
+                        raise deleted_parent if isinstance(deleted_node, RolledBackError) else deleted_node
+                    self._crowded(parent)  # someone queued since we acquired
+                try:
+                    self._result(self._send_leave(path, awaited=True), io_deadline)
+                except NoNodeError:
+                    return False
+                return True
+            except SessionExpiredError:
+                # The session, and with it our node, is gone; its parent may be left: sweep it later.
+                with self._registry_lock:
+                    self._litter.add((parent, None, path))
+                return False
+            except (KazooException, BackendUnavailable):
+                with self._registry_lock:
+                    self._litter.add((parent, None, path))
+                raise
+
+    def _do_extend(self, lease, ttl):
+        """Check the znode is still ours, then push its expiry; False if it is gone."""
+        with self._translate_errors(f"extending lock {lease.name!r}"):
+            io_deadline = self._io_deadline(None)
+            client = self._session(io_deadline)
+            try:
+                stat = self._result(client.exists_async(lease.handle), io_deadline)
+            except SessionExpiredError:
+                stat = None  # the session that owned the node has ended
+        if stat is None or stat.ephemeralOwner != (client.client_id or (None,))[0]:
+            self._forget(lease.handle)
+            return False
+        # The lease now runs out ``ttl`` after the request was sent, sooner or later than before; the
+        # node goes a little after that. False if the expiry timer fired meanwhile: the node is going.
+        return self._expiry.move(lease.handle, time.monotonic() + ttl)
+
+    # -- operating -----------------------------------------------------------------------------
+
+    def held_locks(self, prefix=""):
+        """Return the holders of every lock under ``ROOT`` whose name starts with ``prefix``.
+
+        ``acquired_at`` is when the holder's znode was created (server clock); ``expires_at`` is None:
+        the ttl lives in the holder's process, the server frees the lock when its session ends.
+        """
+        with self._translate_errors("listing held locks"):
+            io_deadline = self._io_deadline(None)
+            client = self._session(io_deadline)
+            names = [(decode_name(node), node) for node in self._children(client, self._root, io_deadline)]
+            names = [(name, f"{self._root}/{node}") for name, node in sorted(names) if name.startswith(prefix)]
+            listings = [(name, parent, client.get_children_async(parent)) for name, parent in names]
+            reads = []
+            for name, parent, listing in listings:
+                with suppress(NoNodeError):
+                    for child in holders_of(self._result(listing, io_deadline)):
+                        reads.append((name, client.get_async(f"{parent}/{child}")))
+            infos = []
+            for name, read in reads:
+                with suppress(NoNodeError):
+                    data, stat = self._result(read, io_deadline)
+                    infos.append(self._lock_info(name, data, stat))
+            return infos
+
+    def _lock_info(self, name, data, stat):
+        try:
+            record = json.loads(data)
+        except ValueError:
+            record = {}
+        return LockInfo(
+            alias=self.alias, name=name, owner=record.get("owner", ""), token=stat.mzxid,
+            acquired_at=datetime.fromtimestamp(stat.ctime / 1000, tz=timezone.utc),
+            host=record.get("host", ""), pid=record.get("pid"), task_id=record.get("task_id", ""),
+        )
+
+    def force_release(self, name, owner):
+        """Delete ``name``'s znode of ``owner``, checked by its data and version; return True if deleted."""
+        parent = self._parent_path(name)
+        with self._translate_errors(f"force-releasing lock {name!r}"):
+            io_deadline = self._io_deadline(None)
+            client = self._session(io_deadline)
+            for child in self._children(client, parent, io_deadline):
+                match = _NODE_NAME.match(child)
+                if match is None or match["owner"] != owner:
+                    continue
+                path = f"{parent}/{child}"
+                try:
+                    data, stat = self._result(client.get_async(path), io_deadline)
+                    if self._lock_info(name, data, stat).owner != owner:
+                        return False
+                    reply = client.delete_async(path, version=stat.version)
+                    client.delete_async(parent)
+                    self._result(reply, io_deadline)
+                except (NoNodeError, BadVersionError):
+                    return False
+                return True
+        return False
+
+    def ping(self):
+        with self._translate_errors("pinging"):
+            io_deadline = self._io_deadline(None)
+            self._result(self._session(io_deadline).exists_async("/"), io_deadline)
+
+    def close(self):
+        """End the session: held leases are marked lost, their znodes deleted before the session closes."""
+        with self._client_lock:
+            client, self._client = self._client, None
+        if client is None:
+            return
+        with self._registry_lock:
+            leases = list(self._held.values())
+            self._held.clear()
+            self._litter.clear()
+        for lease in leases:
+            self._expiry.cancel(lease.handle)
+            # Queued ahead of the close request, so they run before the session ends.
+            client.delete_async(lease.handle)
+            client.delete_async(lease.handle.rsplit("/", 1)[0])
+            lease.mark_lost("the backend was closed, ending its ZooKeeper session")
+        client.stop()
+        client.close()
+        self._states.put(None)
+        self._expiry.stop()
+        if threading.current_thread() is not self._state_thread:
+            self._state_thread.join()

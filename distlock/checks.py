@@ -1,0 +1,52 @@
+"""System checks for ``settings.DISTLOCK``; they do no network I/O, so they pass while servers are down."""
+
+from django.core.checks import Error
+from django.core.exceptions import ImproperlyConfigured
+from django.utils.module_loading import import_string
+
+from distlock.backends.base import BaseLockBackend
+from distlock.conf import DEFAULT_ALIAS, get_config
+
+E001 = "distlock.E001"  # DISTLOCK is not a dict, or has no 'default' alias
+E002 = "distlock.E002"  # an alias entry is not a dict with BACKEND
+E003 = "distlock.E003"  # BACKEND cannot be imported or is not a lock backend
+E004 = "distlock.E004"  # an option is missing, unknown, or invalid
+
+
+def check_distlock_setting(app_configs=None, **kwargs):
+    """Report every alias at fault, each with the option and the fix."""
+    config = get_config()
+    if not isinstance(config, dict):
+        return [Error("settings.DISTLOCK must be a dict of alias -> {'BACKEND': ..., 'OPTIONS': {...}}.",
+                      hint="Shape it like CACHES.", id=E001)]
+    errors = []
+    if DEFAULT_ALIAS not in config:
+        errors.append(Error(f"settings.DISTLOCK must define a '{DEFAULT_ALIAS}' alias.",
+                            hint="lock() and acquire() use it when no 'using' is given.", id=E001))
+    for alias, entry in config.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("BACKEND"), str):
+            errors.append(Error(f"DISTLOCK['{alias}'] must be a dict with a 'BACKEND' dotted path (a str).",
+                                hint="For example {'BACKEND': 'distlock.backends.redis.RedisBackend', "
+                                     "'OPTIONS': {'URL': 'redis://127.0.0.1:6379/0'}}.", id=E002))
+            continue
+        unknown_keys = sorted(set(entry) - {"BACKEND", "OPTIONS"})
+        if unknown_keys:
+            errors.append(Error(f"DISTLOCK['{alias}'] has unknown key(s) {', '.join(unknown_keys)}.",
+                                hint="Only 'BACKEND' and 'OPTIONS' are read; backend settings go in OPTIONS.",
+                                id=E002))
+        try:
+            backend_cls = import_string(entry["BACKEND"])
+        except ImportError as exc:
+            errors.append(Error(f"DISTLOCK['{alias}']['BACKEND'] could not be imported: {exc}.",
+                                hint="Check the dotted path and that the backend's client package is installed.",
+                                id=E003))
+            continue
+        if not (isinstance(backend_cls, type) and issubclass(backend_cls, BaseLockBackend)):
+            errors.append(Error(f"DISTLOCK['{alias}']['BACKEND'] {entry['BACKEND']!r} is not a lock backend.",
+                                hint="It must subclass distlock.backends.base.BaseLockBackend.", id=E003))
+            continue
+        try:
+            backend_cls.clean_options(alias, entry.get("OPTIONS", {}))
+        except ImproperlyConfigured as exc:
+            errors.append(Error(str(exc), id=E004))
+    return errors

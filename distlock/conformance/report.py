@@ -1,0 +1,90 @@
+"""One row of results per scenario and backend, and the markdown table ``distlock verify`` and docs/SAFETY.md print."""
+
+import math
+from dataclasses import dataclass, field
+
+#: Shown where a figure does not apply (Redlock's tokens are not offered to the store).
+NOT_APPLICABLE = "n/a"
+
+
+@dataclass
+class Result:
+    """What a scenario found on one backend, over all its runs.
+
+    ``violations`` lists broken properties that must hold everywhere (fenced safety, token order,
+    liveness bounds, documented errors); ``notes`` reports what is expected or merely measured, such
+    as the overlaps of un-fenced critical sections under a pause.
+    """
+
+    scenario: str
+    backend: str
+    runs: int = 0
+    acquisitions: int = 0
+    #: Overlapping critical sections of different holders, without fencing (P1, reported).
+    overlaps: int = 0
+    #: Fenced writes accepted with a token older than one the row had accepted (P2); None: not fenced.
+    stale_accepted: int | None = None
+    #: Fenced writes refused although no newer token had been accepted (P2); None: not fenced.
+    false_rejections: int | None = None
+    #: Refused fenced writes as the history, the ``FencingRejection`` table and the metric count them (P6).
+    rejections: int | None = None
+    rejection_rows: int | None = None
+    rejection_metric: int | None = None
+    #: Milliseconds from a holder's death (or fault) to the next acquisition by someone else (P7).
+    recovery_ms: list = field(default_factory=list)
+    violations: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+    @property
+    def ok(self):
+        return not self.violations
+
+
+def percentile(values, q):
+    """Return the nearest-rank ``q``-th percentile of ``values`` (None if empty)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def _number(value):
+    return NOT_APPLICABLE if value is None else str(value)
+
+
+def _seconds(milliseconds):
+    return "—" if milliseconds is None else f"{milliseconds / 1000:.2f} s"
+
+
+def _rejections(result):
+    counts = [result.rejections, result.rejection_rows, result.rejection_metric]
+    known = [count for count in counts if count is not None]
+    if result.rejections is None:
+        return NOT_APPLICABLE
+    if len(set(known)) == 1:
+        return str(result.rejections) + (" (metric off)" if result.rejection_metric is None else "")
+    metric = "metric off" if result.rejection_metric is None else f"metric {result.rejection_metric}"
+    return f"history {result.rejections} / rows {result.rejection_rows} / {metric}"
+
+
+COLUMNS = ["scenario", "backend", "runs", "acquisitions", "overlaps without fencing",
+           "stale writes accepted with fencing", "false rejections", "rejections logged",
+           "recovery p50", "recovery p99", "verdict"]
+
+
+def table_row(result):
+    verdict = "ok" if result.ok else "**VIOLATION**: " + "; ".join(result.violations)
+    if result.notes:
+        verdict += " (" + "; ".join(result.notes) + ")"
+    return [result.scenario, result.backend, str(result.runs), str(result.acquisitions), str(result.overlaps),
+            _number(result.stale_accepted), _number(result.false_rejections), _rejections(result),
+            _seconds(percentile(result.recovery_ms, 50)), _seconds(percentile(result.recovery_ms, 99)), verdict]
+
+
+def markdown_table(results):
+    """Return ``results`` as a markdown table, one row per scenario and backend."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    for result in results:
+        cells = [cell.replace("|", "\\|") for cell in table_row(result)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,60 @@
+"""Exceptions raised by distlock; every one of them is a ``LockError`` except configuration errors."""
+
+from django.core.exceptions import ImproperlyConfigured
+
+
+class LockError(Exception):
+    """Base class of every runtime error distlock raises."""
+
+
+class LockNotAcquired(LockError):
+    """The lock is held by someone else: a non-blocking miss or a timeout."""
+
+
+class LockLost(LockError):
+    """The lease is no longer valid: it expired, a renewal failed, or its session died."""
+
+
+class LockSuspended(LockError):
+    """The connection to the lock service is interrupted; whether the lease still holds is unknown.
+
+    Not a ``LockLost``: after the client reconnects, a lease whose lock still exists is valid again.
+    Do not start writes while it is raised.
+    """
+
+
+class BackendUnavailable(LockError):
+    """The lock server is down or unreachable; raised within the caller's timeout, never a hang."""
+
+
+class LockWouldDeadlock(LockError):
+    """Acquiring would wait for the caller itself (an SQLite transaction that already wrote holds the only write slot)."""
+
+
+class StaleFencingToken(LockError):
+    """A write carried a fencing token lower than one the row has already accepted.
+
+    Two holders acted at once: the store refused the older one. Nothing was written.
+    """
+
+    def __init__(self, message=None, *, model=None, pk=None, offered_token=None, current_token=None, lock_name=None):
+        self.model = model
+        self.pk = pk
+        self.offered_token = offered_token
+        self.current_token = current_token
+        self.lock_name = lock_name
+        if message is None:
+            label = model._meta.label if model is not None else "row"
+            message = (
+                f"{label} pk={pk!r}: fencing token {offered_token} is older than the stored token "
+                f"{current_token}; another holder of lock {lock_name!r} has written since. Nothing was written."
+            )
+        super().__init__(message)
+
+
+class UnsafeFencingToken(LockError):
+    """The lease's backend cannot issue safe fencing tokens (Redlock), and the model did not opt in."""
+
+
+class InvalidLockBackendError(ImproperlyConfigured):
+    """An unknown alias or an unusable ``DISTLOCK`` entry (like Django's ``InvalidCacheBackendError``)."""

@@ -1,0 +1,397 @@
+"""Fenced writes: the conditional statements that refuse stale tokens, and the record of every refusal.
+
+Invariant kept by every statement below: a row's ``fencing_token`` never goes down, and a write
+carrying token ``t`` changes a row only while its stored token is ``<= t``. The decision is taken
+by the database inside one statement, so two holders racing cannot both pass a check made earlier.
+
+Save (``FencedModel._do_update``; Django builds it from the model's fields)::
+
+    UPDATE <table> SET <fields>, fencing_token = t WHERE pk = %s AND fencing_token <= t
+    -- 1 row: written. 0 rows: a read tells "no such row" (Django inserts it) from "stale" (refused).
+
+Bulk (``FencedQuerySet.fenced_update``), in one transaction::
+
+    UPDATE <table> SET <fields>, fencing_token = t WHERE <filter> AND fencing_token <= t
+    SELECT pk, fencing_token FROM <table> WHERE <filter> AND fencing_token > t   -- each one a rejection
+
+Claim (``FencedQuerySet.claim``): ``CLAIM_BY_PK_SQL`` or, for any other lookup, ``CLAIM_SQL`` where
+``UPDATE … RETURNING`` exists (PostgreSQL, SQLite >= 3.35); elsewhere ``SELECT … FOR UPDATE`` then
+the same conditional UPDATE, in a transaction.
+
+Rejections are counted, logged to ``FencingRejection`` so that the row outlives the caller's
+transaction (``log_rejections`` says how, per database) and signalled.
+"""
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from django.apps import apps
+from django.core.exceptions import EmptyResultSet
+from django.db import DatabaseError, OperationalError, connections, transaction
+from django.db.models.lookups import LessThanOrEqual
+from django.db.models.sql.where import AND
+
+from distlock import metrics
+from distlock.exceptions import StaleFencingToken, UnsafeFencingToken
+from distlock.holder import current_holder
+from distlock.lease import Lease
+from distlock.signals import fencing_token_rejected
+
+logger = logging.getLogger("distlock.fencing")
+
+TOKEN_FIELD = "fencing_token"
+
+#: Largest token a ``BigIntegerField`` stores.
+MAX_TOKEN = 2**63 - 1
+
+# Claim: raise the row's token to t unless a higher token holds it, and return the row as stored.
+#   {matched}    the caller's lookup, compiled by the ORM: SELECT pk FROM <table> WHERE <lookup>
+#   <= t         the invariant: the token only goes up, so a stale holder changes nothing
+#   COUNT = 1    get() semantics: unless the lookup matches exactly one row, nothing changes
+#   RETURNING    the claimed row as stored, in the same round trip; no row back means "not claimed",
+#                and a read then tells "no row", "several rows" and "stale" apart (see ``claim``).
+CLAIM_SQL = (
+    "UPDATE {table} SET {token} = %s"
+    " WHERE {pk} IN ({matched}) AND {token} <= %s"
+    " AND (SELECT COUNT(*) FROM ({first_two}) distlock_matched) = 1"
+    " RETURNING {columns}"
+)
+# Claim by primary key alone, the common case: one row at most, so no subquery and no count.
+CLAIM_BY_PK_SQL = "UPDATE {table} SET {token} = %s WHERE {pk} = %s AND {token} <= %s RETURNING {columns}"
+
+#: Statements a save or a claim retries when its row changed between the refused statement and the
+#: read that explains the refusal (a row inserted, or a token lowered by an unfenced ``update()``).
+ATTEMPTS = 3
+
+#: Seconds a deferred SQLite log write keeps retrying while the caller's transaction holds the database.
+SQLITE_LOG_PATIENCE = 600
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A fencing token offered with a write, and what is known of the lock that issued it."""
+
+    token: int
+    #: The lock's name and alias, known when a ``Lease`` was given rather than a bare int.
+    lock_name: str | None = None
+    alias: str | None = None
+
+
+# -- what the caller offers -----------------------------------------------------------------------
+
+def offer_for_save(model, lease, fencing_token):
+    """Return the ``Offer`` of ``save(lease=...)`` or ``save(fencing_token=...)``; None when neither is given."""
+    if lease is not None and fencing_token is not None:
+        raise TypeError("save() takes lease= or fencing_token=, not both: the lease's token is the fencing token.")
+    if lease is not None:
+        if not isinstance(lease, Lease):
+            raise TypeError(
+                f"lease must be a distlock Lease, got {type(lease).__name__}; pass a bare token as fencing_token=."
+            )
+        return lease_offer(model, lease)
+    if fencing_token is not None:
+        return token_offer(fencing_token, "fencing_token", "an int fencing token (lease.token)")
+    return None
+
+
+def offer(model, lease_or_token, argument):
+    """Return the ``Offer`` of ``lease_or_token``, a ``Lease`` or an int token (``claim``, ``fenced_update``)."""
+    if isinstance(lease_or_token, Lease):
+        return lease_offer(model, lease_or_token)
+    return token_offer(lease_or_token, argument, "a distlock Lease or an int fencing token")
+
+
+def lease_offer(model, lease):
+    """Return the ``Offer`` of ``lease``, checked before any I/O.
+
+    A lease known lost or expired raises ``LockLost``; a lease from a backend whose tokens may go
+    backwards (Redlock) raises ``UnsafeFencingToken`` unless ``model.allow_unsafe_tokens``.
+    """
+    if not lease.token_is_safe and not model.allow_unsafe_tokens:
+        raise UnsafeFencingToken(
+            f"{model._meta.label} refuses the lease on {lease.name!r}: alias '{lease.alias}' "
+            f"({type(lease.backend).__name__}) cannot promise that its tokens never go backwards. Use a "
+            f"backend with safe tokens, or set allow_unsafe_tokens = True on {model.__name__} to accept the risk."
+        )
+    lease.check()
+    return Offer(token=lease.token, lock_name=lease.name, alias=lease.alias)
+
+
+def token_offer(token, argument, expected):
+    if isinstance(token, bool) or not isinstance(token, int):
+        raise TypeError(f"{argument} must be {expected}, got {type(token).__name__}.")
+    if not 0 < token <= MAX_TOKEN:
+        raise ValueError(f"{argument} must be a fencing token between 1 and 2**63 - 1, got {token}.")
+    return Offer(token=token)
+
+
+def guards(table_model, model):
+    """Return True if ``table_model``'s table holds ``model``'s token (False for the other tables of
+    multi-table inheritance, which are written unconditionally inside the same save)."""
+    owner = model._meta.get_field(TOKEN_FIELD).model
+    return owner._meta.concrete_model is table_model._meta.concrete_model
+
+
+# -- the statements -------------------------------------------------------------------------------
+
+def update_row(instance, base_qs, pk_val, values, offer):
+    """Run the conditional UPDATE of a fenced save; return False if the row does not exist (Django inserts it).
+
+    Raise ``StaleFencingToken``, writing nothing, if the row holds a higher token.
+    """
+    model = type(instance)
+    conditional = base_qs.filter(pk=pk_val)
+    # The hot path: the token condition goes straight into the WHERE clause. Built by filter() from
+    # "fencing_token__lte" it costs twice the Python time (bench/fencing.py); the SQL is the same.
+    query = conditional.query
+    query.where.add(
+        LessThanOrEqual(model._meta.get_field(TOKEN_FIELD).get_col(query.get_initial_alias()), offer.token), AND)
+    for _ in range(ATTEMPTS):
+        if conditional._update(values) > 0:
+            return True
+        current = next(iter(base_qs.filter(pk=pk_val).values_list(TOKEN_FIELD, flat=True)[:1]), None)
+        if current is None:
+            return False
+        if current > offer.token:
+            record_rejections(model, offer, base_qs.db, [(pk_val, current)])
+            raise StaleFencingToken(model=model, pk=pk_val, offered_token=offer.token, current_token=current,
+                                    lock_name=offer.lock_name)
+    raise _kept_changing(model, {"pk": pk_val})
+
+
+def updates_return_rows(connection):
+    """Return True if ``connection``'s database has ``UPDATE … RETURNING``."""
+    if connection.vendor == "postgresql":
+        return True
+    return connection.vendor == "sqlite" and connection.Database.sqlite_version_info >= (3, 35)
+
+
+def claim(queryset, offer, lookup):
+    """Raise the token of the one row ``queryset.filter(**lookup)`` matches to ``offer.token``; return that row.
+
+    Raise ``DoesNotExist`` / ``MultipleObjectsReturned`` like ``get()``, and ``StaleFencingToken``
+    if a higher token has claimed the row; in every such case nothing changes.
+    """
+    model = queryset.model
+    if not guards(model, model):
+        owner = model._meta.get_field(TOKEN_FIELD).model
+        raise TypeError(
+            f"{model._meta.label} keeps its fencing token in the table of {owner._meta.label} (multi-table "
+            f"inheritance): claim the row through {owner.__name__}.objects.claim(...)."
+        )
+    returning = updates_return_rows(connections[queryset.db])
+    pk = _pk_of(queryset, lookup) if returning else _NOT_BY_PK
+    # Built only when needed: the claim by primary key skips the ORM's filter machinery (the hot path).
+    matched = queryset.filter(**lookup).order_by() if pk is _NOT_BY_PK else None
+    for _ in range(ATTEMPTS):
+        if matched is None:
+            rows = _claim_by_pk(queryset, pk, offer.token)
+        elif returning:
+            rows = _claim_returning(matched, offer.token)
+        else:
+            rows = _claim_locking(matched, offer.token)
+        if rows:
+            return rows[0]
+        # Not claimed: find out why. Tokens only go up, so a higher token seen now was there before.
+        if matched is None:
+            matched = queryset.filter(**lookup).order_by()
+        found = list(matched.values_list("pk", TOKEN_FIELD)[:2])
+        if not found:
+            raise model.DoesNotExist(f"{model._meta.object_name} matching query does not exist.")
+        if len(found) > 1:
+            raise model.MultipleObjectsReturned(
+                f"claim() matched more than one {model._meta.object_name}; claim one row at a time."
+            )
+        ((pk, current),) = found
+        if current > offer.token:
+            record_rejections(model, offer, queryset.db, [(pk, current)])
+            raise StaleFencingToken(model=model, pk=pk, offered_token=offer.token, current_token=current,
+                                    lock_name=offer.lock_name)
+    raise _kept_changing(model, lookup)
+
+
+_NOT_BY_PK = object()
+
+
+def _pk_of(queryset, lookup):
+    """Return the primary key ``lookup`` names, or ``_NOT_BY_PK`` unless it is the queryset's only condition."""
+    opts = queryset.model._meta
+    if len(lookup) != 1 or queryset.query.where or queryset.query.is_sliced:
+        return _NOT_BY_PK
+    ((key, value),) = lookup.items()
+    if key not in ("pk", opts.pk.name, opts.pk.attname) or value is None or hasattr(value, "resolve_expression"):
+        return _NOT_BY_PK
+    return value
+
+
+def _claim_by_pk(queryset, pk, token):
+    """Run ``CLAIM_BY_PK_SQL``; return the claimed row, or no row."""
+    opts = queryset.model._meta
+    connection = connections[queryset.db]
+    quote = connection.ops.quote_name
+    sql = CLAIM_BY_PK_SQL.format(
+        table=quote(opts.db_table), token=quote(opts.get_field(TOKEN_FIELD).column), pk=quote(opts.pk.column),
+        columns=", ".join(quote(f.column) for f in opts.concrete_fields),
+    )
+    return _returned_rows(queryset, sql, [token, opts.pk.get_db_prep_value(pk, connection), token])
+
+
+def _claim_returning(matched, token):
+    """Run ``CLAIM_SQL`` for any lookup; return the claimed row, or no row."""
+    opts = matched.model._meta
+    quote = connections[matched.db].ops.quote_name
+    pks = matched.values("pk")
+    try:
+        matched_sql, matched_params = pks.query.get_compiler(matched.db).as_sql()
+        two_sql, two_params = pks[:2].query.get_compiler(matched.db).as_sql()
+    except EmptyResultSet:  # e.g. .none(): no row can match
+        return []
+    sql = CLAIM_SQL.format(
+        table=quote(opts.db_table), token=quote(opts.get_field(TOKEN_FIELD).column), pk=quote(opts.pk.column),
+        matched=matched_sql, first_two=two_sql, columns=", ".join(quote(f.column) for f in opts.concrete_fields),
+    )
+    return _returned_rows(matched, sql, [token, *matched_params, token, *two_params])
+
+
+def _returned_rows(queryset, sql, params):
+    """Run ``sql``, an UPDATE returning every concrete column, and return the rows as model instances."""
+    model, using = queryset.model, queryset.db
+    fields = model._meta.concrete_fields
+    with connections[using].cursor() as cursor:
+        cursor.execute(sql, params)
+        rows = cursor.fetchall()
+    # Convert each column as a SELECT of the model would (dates on SQLite, decimals, JSON, ...).
+    compiler = queryset.query.get_compiler(using)
+    converters = compiler.get_converters([field.get_col(model._meta.db_table) for field in fields])
+    if converters:
+        rows = compiler.apply_converters(rows, converters)
+    return [model.from_db(using, [field.attname for field in fields], row) for row in rows]
+
+
+def _claim_locking(matched, token):
+    """Claim where ``UPDATE … RETURNING`` is missing: lock the row, check and raise its token, in one transaction."""
+    with transaction.atomic(using=matched.db):
+        rows = list(matched.select_for_update()[:2])
+        if len(rows) != 1 or getattr(rows[0], TOKEN_FIELD) > token:
+            return []
+        # The row is locked until commit, so its token cannot have moved since the read.
+        matched.model._base_manager.using(matched.db).filter(pk=rows[0].pk).update(**{TOKEN_FIELD: token})
+        setattr(rows[0], TOKEN_FIELD, token)
+        return rows
+
+
+def fenced_update(queryset, offer, fields):
+    """Update the rows of ``queryset`` whose token is ``<= offer.token``; record every other one as a rejection.
+
+    Return the number of rows updated. Runs in one transaction, so on SQLite the rows reported stale
+    are exactly those the update skipped; on PostgreSQL (read committed) a row that starts matching the
+    filter between the two statements with a higher token is reported too.
+    """
+    if TOKEN_FIELD in fields:
+        raise TypeError(f"fenced_update() sets {TOKEN_FIELD} to the token it is given; do not pass it in the fields.")
+    if not fields:
+        raise TypeError("fenced_update() needs at least one field to set, e.g. fenced_update(token, status='done').")
+    with transaction.atomic(using=queryset.db):
+        updated = queryset.filter(**{f"{TOKEN_FIELD}__lte": offer.token}).update(
+            **fields, **{TOKEN_FIELD: offer.token})
+        stale = list(queryset.filter(**{f"{TOKEN_FIELD}__gt": offer.token}).order_by()
+                     .values_list("pk", TOKEN_FIELD))
+    if stale:
+        record_rejections(queryset.model, offer, queryset.db, stale)
+    return updated
+
+
+def _kept_changing(model, lookup):
+    return RuntimeError(
+        f"{model._meta.label} matching {lookup!r} changed {ATTEMPTS} times between a refused fenced write and "
+        "the read that explains it (rows inserted, or tokens lowered by an unfenced update()); retry the write."
+    )
+
+
+# -- rejections -----------------------------------------------------------------------------------
+
+def record_rejections(model, offer, using, stale_rows):
+    """Count, log and signal each refused row; ``stale_rows`` is ``[(pk, current_token), ...]``.
+
+    The counter and the log are keyed by the lease's lock alias (and the counter by its lock name); a
+    bare int token names no lock, so its rejections are keyed by the database alias ``using`` instead.
+    """
+    alias = offer.alias or using
+    holder = current_holder()
+    rejection_model = apps.get_model("distlock", "FencingRejection")
+    entries = []
+    for pk, current in stale_rows:
+        metrics.record_rejection(alias, offer.lock_name or "")
+        logger.warning(
+            "Refused a stale write to %s pk=%r: token %s < stored %s (lock %r, alias %r).",
+            model._meta.label, pk, offer.token, current, offer.lock_name, alias,
+        )
+        entries.append(rejection_model(
+            model_label=model._meta.label, object_pk=str(pk), offered_token=offer.token, current_token=current,
+            lock_name=offer.lock_name or "", alias=alias, host=holder.host, pid=holder.pid,
+        ))
+    log_rejections(entries, using)
+    for pk, current in stale_rows:
+        responses = fencing_token_rejected.send_robust(
+            sender=model, model=model, pk=pk, offered_token=offer.token, current_token=current,
+            lock_name=offer.lock_name,
+        )
+        for receiver, response in responses:
+            if isinstance(response, Exception):
+                logger.error("fencing_token_rejected receiver %r failed", receiver, exc_info=response)
+
+
+def log_rejections(entries, using):
+    """Write ``entries`` to database ``using`` so that they outlive the caller's transaction.
+
+    Outside a transaction they go in at once on the caller's connection. Inside one they go in on a
+    connection of their own, from a helper thread:
+
+    - PostgreSQL (any database with concurrent writers): the insert commits at once; we wait for it.
+    - SQLite has a single writer, and the caller's transaction holds it (it just ran the refused
+      UPDATE). The helper's insert waits in SQLite's busy handler, retrying for
+      ``SQLITE_LOG_PATIENCE`` seconds, until that transaction commits or rolls back; the caller does
+      not wait. The thread is not a daemon, so the process finishes the write before exiting.
+    """
+    connection = connections[using]
+    if not connection.in_atomic_block and connection.get_autocommit():
+        _insert(entries, using)
+        return
+    sqlite = connection.vendor == "sqlite"
+    writer = threading.Thread(
+        target=_insert_on_own_connection, args=(entries, using, SQLITE_LOG_PATIENCE if sqlite else 0),
+        name="distlock-rejection-log",
+    )
+    writer.start()
+    if not sqlite:
+        writer.join()
+
+
+def _insert(entries, using):
+    """Insert the rows; a failure is logged, never raised, so it cannot hide the rejection itself."""
+    try:
+        type(entries[0])._base_manager.using(using).bulk_create(entries)
+    except DatabaseError:
+        logger.exception("Could not log %d fencing rejection(s) to database %r.", len(entries), using)
+
+
+def _insert_on_own_connection(entries, using, patience):
+    deadline = time.monotonic() + patience
+    try:
+        while True:
+            try:
+                type(entries[0])._base_manager.using(using).bulk_create(entries)
+                return
+            except OperationalError as exc:
+                # SQLite: "database is locked" once the busy timeout ran out (or "database table is
+                # locked" on a shared-cache database): the caller's transaction is still open. Anything
+                # else, or patience exhausted, is logged below.
+                if "locked" not in str(exc) or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.05)
+    except DatabaseError:
+        logger.exception("Could not log %d fencing rejection(s) to database %r.", len(entries), using)
+    finally:
+        connections[using].close()

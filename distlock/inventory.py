@@ -1,0 +1,93 @@
+"""The locks held on every configured alias, read live from the servers, for the admin page and commands.
+
+One unreachable or broken backend must never hide the others: its failure is reported beside its
+alias instead of raised.
+"""
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from django.core.exceptions import ImproperlyConfigured
+
+from distlock.conf import get_config
+from distlock.exceptions import BackendUnavailable
+from distlock.handler import locks
+
+logger = logging.getLogger("distlock.inventory")
+
+
+@dataclass
+class AliasLocks:
+    """The held locks of one alias, or why they could not be read."""
+
+    alias: str
+    backend: str
+    locks: list = field(default_factory=list)
+    error: str = ""
+
+
+@dataclass
+class PingResult:
+    alias: str
+    backend: str
+    seconds: float | None = None
+    error: str = ""
+
+
+def _describe(exc):
+    if isinstance(exc, (BackendUnavailable, ImproperlyConfigured, ImportError)):
+        return f"{type(exc).__name__}: {exc}"
+    # Not a failure a backend is expected to report: a bug, so keep its traceback in the log.
+    logger.exception("Backend raised an unexpected error")
+    return f"unexpected {type(exc).__name__}: {exc}"
+
+
+def _backend_path(alias):
+    entry = get_config().get(alias)
+    return entry.get("BACKEND", "?") if isinstance(entry, dict) else "?"
+
+
+def aliases(only=None):
+    """Return the configured aliases, or just ``only``."""
+    return list(get_config()) if only is None else [only]
+
+
+def held_locks(only=None, *, search=""):
+    """Return one ``AliasLocks`` per alias, locks sorted by name; ``search`` keeps names containing it."""
+    found = []
+    needle = search.casefold()
+    for alias in aliases(only):
+        entry = AliasLocks(alias, _backend_path(alias))
+        try:
+            held = locks[alias].held_locks()
+        except Exception as exc:  # noqa: BLE001 - reported on the alias's own row, see the module docstring
+            entry.error = _describe(exc)
+        else:
+            entry.locks = sorted((info for info in held if needle in info.name.casefold()), key=lambda i: i.name)
+        found.append(entry)
+    return found
+
+
+def find(alias, name):
+    """Return the ``LockInfo`` of lock ``name`` on ``alias``, or None if nobody holds it."""
+    for info in locks[alias].held_locks(prefix=name):
+        if info.name == name:
+            return info
+    return None
+
+
+def ping_all(only=None):
+    """Make one round trip to each alias's server; return a ``PingResult`` per alias."""
+    results = []
+    for alias in aliases(only):
+        result = PingResult(alias, _backend_path(alias))
+        try:
+            backend = locks[alias]
+            started = time.perf_counter()
+            backend.ping()
+            result.seconds = time.perf_counter() - started
+        except Exception as exc:  # noqa: BLE001 - reported per alias: a health probe must name every failure
+            result.error = _describe(exc)
+        results.append(result)
+    return results

@@ -1,0 +1,181 @@
+"""The ``Lease``: one held lock, whatever the backend, with its fencing token and validity."""
+
+import logging
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+
+from distlock import metrics
+from distlock.exceptions import LockLost, LockSuspended
+from distlock.signals import lock_lost, lock_released
+from distlock.validation import validate_seconds
+
+logger = logging.getLogger("distlock.lease")
+
+
+class Lease:
+    """A lock held by this process until ``release()``, expiry, or loss.
+
+    Validity is counted on ``time.monotonic()`` from the moment the acquire request was sent, so a
+    wall-clock jump on this machine neither shortens nor stretches it. ``acquired_at`` and
+    ``expires_at`` are wall-clock datetimes for display only.
+    """
+
+    def __init__(self, *, backend, name, owner, token, ttl, started, validity, acquired_at=None,
+                 handle=None, session_timeout=None):
+        self.backend = backend
+        self.alias = backend.alias
+        self.name = name
+        #: Random id stored on the server; release and extend only act while it still matches.
+        self.owner = owner
+        #: Fencing token: strictly greater than every token the alias issued before (see ``token_is_safe``).
+        self.token = token
+        #: True if the backend guarantees tokens never go backwards; False for Redlock.
+        self.token_is_safe = backend.token_is_safe
+        self.ttl = ttl
+        #: Session backends (ZooKeeper, etcd): seconds after which the server frees the lock of a dead holder.
+        self.session_timeout = session_timeout
+        self.handle = handle
+        #: Tries ``acquire()`` needed; more than one means it waited for another holder (metrics: contention).
+        self.attempts = 1
+        self.acquired_at = acquired_at or datetime.now(timezone.utc)
+        self._started = started
+        self._valid_until = started + validity
+        #: When the request behind ``_valid_until`` was sent (the acquisition, or the latest extension).
+        self._validity_sent = started
+        self._lost_reason = None
+        self._suspended = False
+        self._released = False
+        self._state_lock = threading.Lock()
+        self._renewer = None
+
+    def __repr__(self):
+        state = "lost" if self.lost else "released" if self._released else "held"
+        return f"<Lease {self.name!r} alias={self.alias!r} token={self.token} {state}>"
+
+    # -- validity ----------------------------------------------------------------------------
+
+    def remaining(self):
+        """Return the seconds of the ttl left (0.0 once expired), by the monotonic clock."""
+        return max(0.0, self._valid_until - time.monotonic())
+
+    @property
+    def expires_at(self):
+        """Wall-clock time at which the lease runs out unless renewed, for display."""
+        return self.acquired_at + timedelta(seconds=self._valid_until - self._started)
+
+    @property
+    def held_for(self):
+        """Seconds since the acquire request was sent."""
+        return time.monotonic() - self._started
+
+    @property
+    def lost(self):
+        """True once the lease is known lost or its validity ran out."""
+        if self._lost_reason is not None or time.monotonic() >= self._valid_until:
+            return True
+        session_until = self.backend.session_valid_until(self)
+        return session_until is not None and time.monotonic() >= session_until
+
+    @property
+    def released(self):
+        return self._released
+
+    @property
+    def suspended(self):
+        return self._suspended
+
+    def check(self):
+        """Raise ``LockLost`` if the lease is lost or expired, ``LockSuspended`` while its session is uncertain.
+
+        Local and cheap: no network round trip. Call it before every write the lock protects. On
+        session backends it also raises once the session may have expired on the server (no keepalive
+        got through for its timeout): a process frozen past that finds out the moment it wakes, before
+        any background thread has run.
+        """
+        if self._lost_reason is not None:
+            raise LockLost(f"Lock {self.name!r} (token {self.token}) was lost: {self._lost_reason}.")
+        now = time.monotonic()
+        if now >= self._valid_until:
+            raise LockLost(f"Lock {self.name!r} (token {self.token}) expired: its ttl of {self.ttl:g}s ran out.")
+        session_until = self.backend.session_valid_until(self)
+        if session_until is not None and now >= session_until:
+            raise LockLost(
+                f"Lock {self.name!r} (token {self.token}) expired with its session on alias '{self.alias}': "
+                f"no keepalive reached the server within the session timeout of {self.session_timeout:g}s."
+            )
+        if self._suspended:
+            raise LockSuspended(
+                f"Lock {self.name!r} (token {self.token}): the connection to alias '{self.alias}' is "
+                "suspended; wait for it to reconnect before writing."
+            )
+
+    # -- changes of state, called by renewal and by session backends ------------------------------
+
+    def _extended(self, started, validity):
+        """Record a successful extension whose request was sent at ``started``.
+
+        The server now frees the lock ``validity`` after ``started``, sooner than before if the new
+        ttl is shorter, so the lease follows it, both ways. An extension sent earlier but answered
+        later changes nothing: the server applied the later request last.
+        """
+        with self._state_lock:
+            if self._lost_reason is None and started >= self._validity_sent:
+                self._validity_sent = started
+                self._valid_until = started + validity
+
+    def mark_lost(self, reason):
+        """Mark the lease lost (once) and send ``lock_lost``; later ``check()`` calls raise ``LockLost``."""
+        with self._state_lock:
+            if self._lost_reason is not None or self._released:
+                return
+            self._lost_reason = reason
+        logger.warning("Lost lock %r (alias %r, token %s): %s", self.name, self.alias, self.token, reason)
+        metrics.record_lost(self)
+        lock_lost.send(sender=type(self.backend), alias=self.alias, lease=self, reason=reason)
+
+    def mark_suspended(self, suspended):
+        """Flag the lease uncertain (connection suspended) or certain again (reconnected, lock still ours)."""
+        self._suspended = suspended
+
+    # -- ending --------------------------------------------------------------------------------
+
+    def extend(self, ttl=None):
+        """Make the lease valid for ``ttl`` more seconds (default: its own ttl); return False if it was lost.
+
+        A ``ttl`` shorter than the validity left shortens it. Raise ``TypeError``/``ValueError`` for a
+        ``ttl`` that ``acquire()`` would refuse, before any I/O.
+        """
+        ttl = self.ttl if ttl is None else validate_seconds("ttl", ttl)
+        if self._lost_reason is not None or self._released:
+            return False
+        started = time.monotonic()
+        if self.backend.extend(self, ttl):
+            self._extended(started, self.backend.trusted_validity(ttl))
+            return True
+        self.mark_lost("the lock was gone or owned by someone else when extending it")
+        return False
+
+    def release(self):
+        """Delete the lock on the server if this lease still owns it; return True if it did.
+
+        Releasing twice, or after another owner took the lock over, deletes nothing and returns False.
+        """
+        with self._state_lock:
+            if self._released:
+                return False
+            self._released = True
+        if self._renewer is not None:
+            self._renewer.stop()
+        # Compare-and-delete is safe even for a lease believed lost: it only deletes our own record.
+        released = self.backend.release(self)
+        metrics.record_release(self)
+        lock_released.send(sender=type(self.backend), alias=self.alias, lease=self, released=released)
+        return released
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.release()
+        return False

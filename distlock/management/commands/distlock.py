@@ -1,0 +1,186 @@
+"""``manage.py distlock list|release|check|stats|verify``: held locks, force release, health probe, metrics,
+conformance run."""
+
+import json
+
+from django.core.management.base import BaseCommand, CommandError
+from django.db import DEFAULT_DB_ALIAS
+
+from distlock import inventory
+from distlock.conf import DEFAULT_ALIAS, get_config
+from distlock.conformance.report import markdown_table
+from distlock.conformance.verify import NotVerifiable, verify
+from distlock.handler import locks
+from distlock.metrics import conf as metrics_conf
+from distlock.metrics import report
+
+
+def _iso(moment):
+    return None if moment is None else moment.isoformat()
+
+
+def _percent(value):
+    return "—" if value is None else f"{value * 100:.3g}%"
+
+
+def _seconds(value):
+    return "—" if value is None else f"{value * 1000:.3g}ms" if value < 1 else f"{value:.3g}s"
+
+
+class Command(BaseCommand):
+    help = ("Operate distributed locks: list held locks, force-release one, check backends, show metrics, "
+            "verify a backend.")
+
+    def add_arguments(self, parser):
+        commands = parser.add_subparsers(dest="subcommand", required=True, metavar="{list,release,check,stats,verify}")
+
+        listing = commands.add_parser("list", help="List the locks held on every alias (or one).")
+        listing.add_argument("--using", help="only this DISTLOCK alias")
+        listing.add_argument("--json", action="store_true", dest="as_json", help="print a JSON list of objects")
+
+        release = commands.add_parser(
+            "release", help="Delete a lock another process holds; its holder finds out at its next renewal.")
+        release.add_argument("name", help="the lock name")
+        release.add_argument("--using", default=DEFAULT_ALIAS, help="the DISTLOCK alias (default: 'default')")
+        release.add_argument("--owner", help="release only if this owner (from `list`) still holds it")
+        release.add_argument("--force", action="store_true", help="required: confirms you mean it")
+
+        check = commands.add_parser(
+            "check", help="Make one round trip to every backend; exit non-zero if any fails (a health probe).")
+        check.add_argument("--using", help="only this DISTLOCK alias")
+
+        stats = commands.add_parser("stats", help="Show the lock metrics of every process, with alerts.")
+        stats.add_argument("--using", help="only this DISTLOCK alias")
+        stats.add_argument("--window", type=float, help="seconds of the recent window "
+                                                        "(default: DISTLOCK_METRICS['RECENT_WINDOW'])")
+        stats.add_argument("--json", action="store_true", dest="as_json", help="print JSON")
+
+        verify_ = commands.add_parser(
+            "verify", help="Run client processes against one alias (contention, a paused and a killed holder, "
+                           "bad input), check their history, print a table; exit non-zero on a violation.")
+        verify_.add_argument("--using", default=DEFAULT_ALIAS, help="the DISTLOCK alias (default: 'default')")
+        verify_.add_argument("--database", default=DEFAULT_DB_ALIAS,
+                             help="the database for the fenced test table, created and dropped (default: 'default')")
+        verify_.add_argument("--clients", type=int, default=8, help="contending processes (default: 8)")
+        verify_.add_argument("--iterations", type=int, default=25, help="acquisitions per process (default: 25)")
+        verify_.add_argument("--runs", type=int, default=1, help="runs of the pause and crash scenarios (default: 1)")
+        verify_.add_argument("--ttl", type=float, default=2.0, help="ttl of the paused and killed holders (default: 2)")
+
+    def handle(self, *args, subcommand, **options):
+        using = options.get("using")
+        if using is not None and using not in get_config():
+            raise CommandError(f"There is no alias {using!r} in settings.DISTLOCK "
+                               f"(configured: {', '.join(map(repr, get_config()))}).")
+        getattr(self, f"handle_{subcommand}")(**options)
+
+    # -- list --------------------------------------------------------------------------------
+
+    def handle_list(self, *, using, as_json, **options):
+        found = inventory.held_locks(using)
+        rows = [info for entry in found for info in entry.locks]
+        if as_json:
+            self.stdout.write(json.dumps([
+                {"alias": info.alias, "name": info.name, "owner": info.owner, "token": info.token,
+                 "acquired_at": _iso(info.acquired_at), "expires_at": _iso(info.expires_at),
+                 "host": info.host, "pid": info.pid}
+                for info in rows
+            ], indent=2))
+        else:
+            for entry in found:
+                if entry.error:
+                    continue
+                for info in entry.locks:
+                    holder = f"{info.host or '?'}:{info.pid if info.pid is not None else '?'}"
+                    self.stdout.write(f"{info.alias}\t{info.name}\ttoken={info.token}\towner={info.owner}\t"
+                                      f"acquired={_iso(info.acquired_at)}\texpires={_iso(info.expires_at)}\t{holder}")
+            if not rows:
+                self.stdout.write("No lock held.")
+        self._fail_on_errors([(entry.alias, entry.error) for entry in found if entry.error])
+
+    def _fail_on_errors(self, errors):
+        for alias, error in errors:
+            self.stderr.write(f"{alias}: {error}")
+        if errors:
+            raise CommandError(f"{len(errors)} alias(es) could not be read: {', '.join(a for a, _ in errors)}.")
+
+    # -- release -------------------------------------------------------------------------------
+
+    def handle_release(self, *, name, using, owner, force, **options):
+        if not force:
+            raise CommandError(
+                f"Refusing to release lock {name!r} on alias '{using}' without --force: its holder keeps "
+                "running and learns of it only at its next renewal or expiry. Check it with "
+                "`distlock list`, then repeat with --force."
+            )
+        current = inventory.find(using, name)
+        if current is None:
+            raise CommandError(f"Lock {name!r} is not held on alias '{using}'; nothing released.")
+        if owner is not None and current.owner != owner:
+            raise CommandError(f"Lock {name!r} on alias '{using}' is now held by owner {current.owner}, "
+                               f"not {owner}; nothing released.")
+        # Compare-and-delete on the owner just read: a lock acquired again meanwhile is left alone.
+        if not locks[using].force_release(name, current.owner):
+            raise CommandError(f"Lock {name!r} on alias '{using}' changed hands while releasing; nothing released.")
+        self.stdout.write(f"Released lock {name!r} on alias '{using}': owner {current.owner}, token "
+                          f"{current.token}, host {current.host or '?'}, pid {current.pid}.")
+
+    # -- check ---------------------------------------------------------------------------------
+
+    def handle_check(self, *, using, **options):
+        results = inventory.ping_all(using)
+        for result in results:
+            if result.error:
+                self.stdout.write(f"{result.alias}: FAILED {result.error} ({result.backend})")
+            else:
+                self.stdout.write(f"{result.alias}: ok {result.seconds * 1000:.2f} ms ({result.backend})")
+        failed = [result.alias for result in results if result.error]
+        if failed:
+            raise CommandError(f"{len(failed)} backend(s) failed: {', '.join(failed)}.")
+
+    # -- stats ---------------------------------------------------------------------------------
+
+    def handle_stats(self, *, using, window, as_json, **options):
+        window = metrics_conf.get().recent_window if window is None else window
+        windows = {"recent": report.summarize(window, alias=using), "since_start": report.summarize(None, alias=using)}
+        if as_json:
+            self.stdout.write(json.dumps({"window_seconds": window,
+                                      **{key: [row.as_dict() for row in found.rows] for key, found in windows.items()}},
+                                         indent=2))
+            return
+        for key, found in windows.items():
+            title = f"Last {window:g} s" if key == "recent" else "Since start"
+            self.stdout.write(self.style.MIGRATE_HEADING(f"{title} (every process; ! = past its alert threshold)"))
+            if not found.rows:
+                self.stdout.write("  nothing recorded")
+            for row in found.rows:
+                self.stdout.write(self._stats_line(row))
+
+    # -- verify --------------------------------------------------------------------------------
+
+    def handle_verify(self, *, using, database, clients, iterations, runs, ttl, **options):
+        try:
+            results, kept = verify(using, database=database, clients=clients, iterations=iterations, runs=runs,
+                                   ttl=ttl, progress=lambda step: self.stderr.write(f"{using}: {step}"))
+        except NotVerifiable as exc:
+            raise CommandError(str(exc)) from exc
+        self.stdout.write(markdown_table(results))
+        failed = [f"{result.scenario}: {'; '.join(result.violations)}" for result in results if not result.ok]
+        if failed:
+            raise CommandError(f"alias '{using}' violated {len(failed)} scenario(s); histories kept in {kept}.\n"
+                               + "\n".join(failed))
+
+    def _stats_line(self, row):
+        alerts = row.alerts
+
+        def mark(figure, text):
+            return f"{text}!" if figure in alerts else text
+
+        label = f"  {row.prefix}:*" if row.prefix else row.alias or "(no alias)"
+        return (f"{label:<24} attempts={row.attempts} acquired={row.acquired} "
+                f"p50={_seconds(row.acquire_p50)} p99={_seconds(row.acquire_p99)} "
+                f"p99/ttl={mark('acquire_p99_of_ttl', _percent(row.acquire_p99_of_ttl))} "
+                f"contention={mark('contention_rate', _percent(row.contention_rate))} "
+                f"timeouts={mark('timeout_rate', _percent(row.timeout_rate))} "
+                f"hold_p99={_seconds(row.hold_p99)} hold_p99/ttl={mark('hold_p99_of_ttl', _percent(row.hold_p99_of_ttl))} "
+                f"lost={row.counts['lost']} fencing_rejections={mark('fencing_rejections', str(row.fencing_rejections))}")
+

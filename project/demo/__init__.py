@@ -1,0 +1,1 @@
+"""The demo app: a management command that shows distlock at work."""

@@ -1,0 +1,314 @@
+"""The behaviour every backend promises, run against each configured alias on its real server."""
+
+import json
+import threading
+import time
+
+import pytest
+
+import distlock
+from distlock.handler import locks
+from distlock.signals import lock_acquired, lock_lost, lock_released
+from tests.workers import read_events, spawn
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+#: Processes x acquisitions for the multi-process test; session backends do one round trip more per lock.
+HAMMER_COUNTS = {"zookeeper": 100, "etcd": 100}
+
+
+def test_acquire_and_release(backend_alias, lock_name):
+    lease = distlock.acquire(lock_name, ttl=10, using=backend_alias)
+    assert isinstance(lease.token, int) and lease.token > 0
+    assert len(lease.owner) >= 32
+    assert lease.name == lock_name and not lease.lost
+    assert 9 < lease.remaining() <= 10
+    assert lease.acquired_at.tzinfo is not None and lease.expires_at > lease.acquired_at
+    lease.check()
+    assert lease.release() is True
+    assert lease.release() is False, "a second release must be a no-op"
+    again = distlock.acquire(lock_name, ttl=10, blocking=False, using=backend_alias)
+    assert again.token > lease.token
+    again.release()
+
+
+def test_context_manager_and_decorator(backend_alias, lock_name):
+    with distlock.lock(lock_name, ttl=10, using=backend_alias) as lease:
+        with pytest.raises(distlock.LockNotAcquired):
+            distlock.acquire(lock_name, blocking=False, using=backend_alias)
+    assert lease.released
+
+    @distlock.lock(lock_name, ttl=10, using=backend_alias)
+    def critical():
+        with pytest.raises(distlock.LockNotAcquired):
+            distlock.acquire(lock_name, timeout=0, using=backend_alias)
+        return "done"
+
+    assert critical() == "done"
+    assert critical() == "done"
+    distlock.acquire(lock_name, blocking=False, using=backend_alias).release()
+
+
+def test_non_blocking_miss_is_immediate(backend_alias, lock_name):
+    with distlock.lock(lock_name, ttl=10, using=backend_alias):
+        started = time.monotonic()
+        with pytest.raises(distlock.LockNotAcquired):
+            distlock.acquire(lock_name, blocking=False, timeout=30, using=backend_alias)
+        assert time.monotonic() - started < 2
+
+
+def test_timeout(backend_alias, lock_name):
+    with distlock.lock(lock_name, ttl=10, using=backend_alias):
+        started = time.monotonic()
+        with pytest.raises(distlock.LockNotAcquired):
+            distlock.acquire(lock_name, timeout=0.5, using=backend_alias)
+        waited = time.monotonic() - started
+    assert 0.5 <= waited < 2.0
+
+
+def test_blocking_acquire_wakes_on_release(backend_alias, lock_name):
+    holder = distlock.acquire(lock_name, ttl=30, using=backend_alias)
+    released_at = []
+
+    def release_later():
+        time.sleep(0.5)
+        released_at.append(time.monotonic())
+        holder.release()
+
+    thread = threading.Thread(target=release_later)
+    thread.start()
+    waiter = distlock.acquire(lock_name, ttl=10, timeout=10, using=backend_alias)
+    woke_at = time.monotonic()
+    thread.join()
+    assert woke_at >= released_at[0]
+    assert woke_at - released_at[0] < 0.5, "the waiter must wake soon after the release, well before the ttl"
+    assert waiter.token > holder.token
+    waiter.release()
+
+
+def test_expired_lock_is_taken_over_with_a_higher_token(backend_alias, lock_name):
+    first = distlock.acquire(lock_name, ttl=1, using=backend_alias)
+    second = distlock.acquire(lock_name, ttl=10, timeout=15, using=backend_alias)
+    assert second.token > first.token
+    with pytest.raises(distlock.LockLost):
+        first.check()
+    assert first.release() is False, "releasing an expired lease must not delete the new holder's lock"
+    with pytest.raises(distlock.LockNotAcquired):
+        distlock.acquire(lock_name, blocking=False, using=backend_alias)
+    assert second.release() is True
+
+
+def test_tokens_increase_across_names(backend_alias, lock_name):
+    tokens = []
+    for suffix in ["a", "b", "a", "c", "b"]:
+        with distlock.lock(f"{lock_name}:{suffix}", ttl=10, using=backend_alias) as lease:
+            tokens.append(lease.token)
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
+
+
+def test_a_waiter_gets_a_token_above_every_token_granted_while_it_waited(backend_alias, lock_name):
+    """Tokens order grants alias-wide: a waiter's token is not from when it queued but from its grant."""
+    holder = distlock.acquire(f"{lock_name}:x", ttl=30, using=backend_alias)
+    granted = []
+    waiter = threading.Thread(target=lambda: granted.append(
+        distlock.acquire(f"{lock_name}:x", ttl=30, timeout=20, using=backend_alias)))
+    waiter.start()
+    time.sleep(0.5)  # the waiter has queued
+    with distlock.lock(f"{lock_name}:y", ttl=30, using=backend_alias) as other:
+        pass
+    holder.release()
+    waiter.join()
+    (lease,) = granted
+    assert holder.token < other.token < lease.token
+    (info,) = locks[backend_alias].held_locks(f"{lock_name}:x")
+    assert info.token == lease.token
+    lease.release()
+
+
+def test_release_of_a_lock_owned_by_someone_else_is_refused(backend_alias, lock_name):
+    stale = distlock.acquire(lock_name, ttl=1, using=backend_alias)
+    current = distlock.acquire(lock_name, ttl=30, timeout=15, using=backend_alias)
+    assert stale.release() is False
+    backend = locks[backend_alias]
+    assert backend.force_release(lock_name, stale.owner) is False
+    assert [info.owner for info in backend.held_locks(lock_name)] == [current.owner]
+    with pytest.raises(distlock.LockNotAcquired):
+        distlock.acquire(lock_name, blocking=False, using=backend_alias)
+    assert current.release() is True
+
+
+def test_held_locks_lists_the_holder(backend_alias, lock_name):
+    with distlock.lock(lock_name, ttl=10, using=backend_alias) as lease:
+        (info,) = locks[backend_alias].held_locks(lock_name)
+        assert (info.alias, info.name, info.owner, info.token) == (backend_alias, lock_name, lease.owner, lease.token)
+        assert info.pid is not None and info.host
+    assert locks[backend_alias].held_locks(lock_name) == []
+
+
+def test_signals(backend_alias, lock_name):
+    seen = []
+
+    def receiver(signal, **kwargs):
+        seen.append((signal, kwargs["lease"].name))
+
+    for signal in (lock_acquired, lock_released):
+        signal.connect(receiver)
+    try:
+        with distlock.lock(lock_name, ttl=10, using=backend_alias):
+            pass
+    finally:
+        for signal in (lock_acquired, lock_released):
+            signal.disconnect(receiver)
+    assert seen == [(lock_acquired, lock_name), (lock_released, lock_name)]
+
+
+def test_auto_renew_keeps_the_lock_past_three_ttls(backend_alias, lock_name):
+    ttl = 1.5
+    with distlock.lock(lock_name, ttl=ttl, auto_renew=True, using=backend_alias) as lease:
+        time.sleep(3 * ttl + 0.5)
+        lease.check()
+        assert lease.remaining() > 0
+        with pytest.raises(distlock.LockNotAcquired):
+            distlock.acquire(lock_name, blocking=False, using=backend_alias)
+    assert lease.released
+
+
+def test_auto_renew_marks_the_lease_lost_when_the_lock_disappears(backend_alias, lock_name):
+    lost = []
+
+    def receiver(**kwargs):
+        lost.append(kwargs["lease"])
+
+    lock_lost.connect(receiver)
+    try:
+        lease = distlock.acquire(lock_name, ttl=1.5, auto_renew=True, using=backend_alias)
+        assert locks[backend_alias].force_release(lock_name, lease.owner) is True
+        deadline = time.monotonic() + 3
+        while not lease.lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lease.lost
+        with pytest.raises(distlock.LockLost):
+            lease.check()
+        assert lost == [lease]
+        assert lease.release() is False
+    finally:
+        lock_lost.disconnect(receiver)
+
+
+def test_max_hold_stops_renewal_and_releases(backend_alias, lock_name):
+    lease = distlock.acquire(lock_name, ttl=1.5, auto_renew=True, max_hold=2, using=backend_alias)
+    time.sleep(2.6)
+    assert lease.lost
+    with pytest.raises(distlock.LockLost, match="max_hold"):
+        lease.check()
+    distlock.acquire(lock_name, blocking=False, using=backend_alias).release()
+
+
+def test_four_processes_never_overlap_and_tokens_strictly_increase(shared_alias, lock_name):
+    count = HAMMER_COUNTS.get(shared_alias, 200)
+    workers = [spawn("hammer", alias=shared_alias, name=lock_name, count=count, ttl=30) for _ in range(4)]
+    events = [event for worker in workers for event in read_events(worker, timeout=600)]
+    assert len(events) == 4 * count
+    events.sort(key=lambda event: event["enter"])
+    overlaps = sum(1 for before, after in zip(events, events[1:]) if after["enter"] < before["exit"])
+    assert overlaps == 0
+    tokens = [event["token"] for event in events]
+    assert all(a < b for a, b in zip(tokens, tokens[1:])), "tokens must strictly increase in lock order"
+    assert len({event["pid"] for event in events}) == 4
+
+
+def test_holder_killed_frees_the_lock_within_ttl(shared_alias, lock_name):
+    ttl = 2
+    holder = spawn("hold", alias=shared_alias, name=lock_name, ttl=ttl)
+    try:
+        held = json.loads(holder.stdout.readline())
+        with pytest.raises(distlock.LockNotAcquired):
+            distlock.acquire(lock_name, blocking=False, using=shared_alias)
+        holder.kill()
+        killed_at = time.monotonic()
+        holder.wait()
+        backend = locks[shared_alias]
+        # Session backends free the lock when the session expires rather than at the ttl.
+        bound = ttl + 1.5
+        lease = distlock.acquire(lock_name, ttl=10, timeout=bound + 10, using=shared_alias)
+        freed_after = time.monotonic() - killed_at
+        assert lease.token > held["token"]
+        lease.release()
+        session_timeout = lease.session_timeout or 0
+        assert freed_after < max(bound, session_timeout + 1.5), (backend, freed_after)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+        holder.communicate()
+
+
+@pytest.mark.parametrize(("arguments", "error"), [
+    ({"name": ""}, ValueError),
+    ({"name": 7}, TypeError),
+    ({"name": None}, TypeError),
+    ({"name": "x" * 256}, ValueError),
+    ({"name": "bad\x00name"}, ValueError),
+    ({"name": "bad\nname"}, ValueError),
+    ({"ttl": 0}, ValueError),
+    ({"ttl": -1}, ValueError),
+    ({"ttl": float("nan")}, ValueError),
+    ({"ttl": float("inf")}, ValueError),
+    ({"ttl": "10"}, TypeError),
+    ({"ttl": True}, TypeError),
+    ({"timeout": -1}, ValueError),
+    ({"timeout": "1"}, TypeError),
+    ({"max_hold": 0}, ValueError),
+    ({"blocking": "yes"}, TypeError),
+    ({"auto_renew": 1}, TypeError),
+])
+def test_bad_input_is_refused_before_any_io(backend_alias, arguments, error):
+    kwargs = {"name": "valid", "ttl": 5, **arguments}
+    with pytest.raises(error) as excinfo:
+        distlock.acquire(using=backend_alias, **kwargs)
+    argument = next(iter(arguments))
+    assert argument in str(excinfo.value) or "Lock name" in str(excinfo.value)
+
+
+@pytest.mark.parametrize("name", ["a/b/c", "orders:42", "with space", "naïve-ünïcödé", "日本語", "x" * 255, ".."])
+def test_unusual_but_valid_names(backend_alias, name):
+    with distlock.lock(name, ttl=5, using=backend_alias) as lease:
+        assert [info.name for info in locks[backend_alias].held_locks(name) if info.name == name] == [name]
+    assert lease.released
+
+
+def test_unknown_alias():
+    with pytest.raises(distlock.InvalidLockBackendError, match="nope"):
+        distlock.acquire("x", using="nope")
+
+
+#: How to point each alias's backend at a server that is not there (a closed loopback port).
+def _down_config(alias, port):
+    configs = {
+        "postgres": ("distlock.backends.database.DatabaseBackend", {"DATABASE": "postgres_down"}),
+        "redis": ("distlock.backends.redis.RedisBackend", {"URL": f"redis://127.0.0.1:{port}/0"}),
+        "redlock": ("distlock.backends.redlock.RedlockBackend",
+                    {"URLS": [f"redis://127.0.0.1:{port + i}/0" for i in range(3)]}),
+        "zookeeper": ("distlock.backends.zookeeper.ZooKeeperBackend", {"HOSTS": f"127.0.0.1:{port}"}),
+        "etcd": ("distlock.backends.etcd.EtcdBackend", {"ENDPOINTS": f"127.0.0.1:{port}"}),
+    }
+    return configs.get(alias)
+
+
+@pytest.mark.filterwarnings("ignore:Overriding setting DATABASES")
+def test_backend_down_raises_backend_unavailable_within_the_timeout(backend_alias, settings):
+    from tests.servers import free_port  # noqa: PLC0415
+
+    port = free_port()
+    config = _down_config(backend_alias, port)
+    if config is None:
+        pytest.skip(f"alias {backend_alias!r} has no server to be down")
+    backend_path, options = config
+    settings.DATABASES = {**settings.DATABASES, "postgres_down": {
+        "ENGINE": "django.db.backends.postgresql", "HOST": "127.0.0.1", "PORT": str(port), "NAME": "test",
+        "USER": "postgres", "OPTIONS": {"connect_timeout": 2}}}
+    settings.DISTLOCK = {**settings.DISTLOCK, "down": {"BACKEND": backend_path, "OPTIONS": options}}
+    for timeout in (0, 1.5):
+        started = time.monotonic()
+        with pytest.raises(distlock.BackendUnavailable):
+            distlock.acquire("anything", ttl=5, timeout=timeout, using="down")
+        assert time.monotonic() - started < timeout + 3

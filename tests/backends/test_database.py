@@ -1,0 +1,422 @@
+"""What only the database backend promises: its own connection, the SQLite write slot, the server's clock."""
+
+import glob
+import json
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.db import connections, transaction
+
+import distlock
+from distlock.backends.database import DatabaseBackend
+from distlock.handler import locks
+from distlock.holder import current_task_id
+from distlock.models import FencingRejection, Lock
+from tests.conftest import require_alias
+from tests.faults.proxy import FaultProxy
+from tests.workers import ROOT, child_env, read_events, spawn
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+#: Move a lock's expiry to ``seconds`` from now by the database's own clock (PostgreSQL, SQLite).
+MOVE_EXPIRY = {
+    "postgresql": "UPDATE distlock_lock SET expires_at = clock_timestamp() + make_interval(secs => %s) "
+                  "WHERE name = %s",
+    "sqlite": "UPDATE distlock_lock SET expires_at = strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', %s) WHERE name = %s",
+}
+
+
+@pytest.fixture(params=["default", "postgres"])
+def db_alias(request):
+    """The database backend on SQLite (``default``) and on PostgreSQL (``postgres``)."""
+    return require_alias(request.param)
+
+
+def database_of(alias):
+    return locks[alias].database
+
+
+def move_expiry(alias, name, seconds):
+    """Set lock ``name``'s expiry ``seconds`` from now as the database server counts time."""
+    connection = connections[database_of(alias)]
+    argument = seconds if connection.vendor == "postgresql" else f"{seconds:+} seconds"
+    with connection.cursor() as cursor:
+        cursor.execute(MOVE_EXPIRY[connection.vendor], [argument, name])
+        assert cursor.rowcount == 1
+
+
+def add_alias(settings, alias, **options):
+    settings.DISTLOCK = {**settings.DISTLOCK,
+                         alias: {"BACKEND": "distlock.backends.database.DatabaseBackend", "OPTIONS": options}}
+
+
+# -- the backend's own connection ------------------------------------------------------------------
+
+def test_a_lock_taken_inside_atomic_is_seen_by_other_processes_at_once(lock_name):
+    alias = require_alias("postgres")
+    with transaction.atomic(using="postgres"):
+        FencingRejection.objects.using("postgres").create(model_label="uncommitted", offered_token=1)
+        lease = distlock.acquire(lock_name, ttl=30, using=alias)
+        # Another connection (another thread gets its own) sees the row while our transaction is open.
+        seen = []
+
+        def read_owner():
+            seen.extend(Lock.objects.using("postgres").filter(name=lock_name).values_list("owner", flat=True))
+            connections.close_all()
+
+        reader = threading.Thread(target=read_owner)
+        reader.start()
+        reader.join()
+        assert seen == [lease.owner]
+        # Another process cannot take it...
+        waiter = spawn("hammer", alias=alias, name=lock_name, count=1, ttl=10)
+        time.sleep(1.5)
+        assert waiter.poll() is None, "the other process got a lock we hold"
+        # ...and gets it once we release, although our transaction is still open.
+        released_at = time.monotonic_ns()
+        assert lease.release() is True
+        (event,) = read_events(waiter, timeout=60)
+        assert event["enter"] > released_at and event["token"] > lease.token
+
+
+def test_a_lock_outlives_the_rollback_of_the_transaction_it_was_taken_in(lock_name):
+    alias = require_alias("postgres")
+    with pytest.raises(RuntimeError), transaction.atomic(using="postgres"):
+        lease = distlock.acquire(lock_name, ttl=30, using=alias)
+        raise RuntimeError("roll the caller's transaction back")
+    with pytest.raises(distlock.LockNotAcquired):
+        distlock.acquire(lock_name, blocking=False, using=alias)
+    assert lease.release() is True
+
+
+# -- SQLite: one write slot ------------------------------------------------------------------------
+
+def test_sqlite_lock_inside_a_writing_transaction_raises_lock_would_deadlock(lock_name):
+    lease = distlock.acquire(f"{lock_name}:held", ttl=30, using="default")
+    with transaction.atomic():
+        FencingRejection.objects.create(model_label="written", offered_token=1)
+        started = time.monotonic()
+        with pytest.raises(distlock.LockWouldDeadlock, match=r"transaction\.atomic\(\)"):
+            distlock.acquire(lock_name, ttl=30, timeout=30, using="default")
+        with pytest.raises(distlock.LockWouldDeadlock):
+            lease.extend()
+        with pytest.raises(distlock.LockWouldDeadlock):
+            locks["default"].force_release(lease.name, lease.owner)
+        assert time.monotonic() - started < 1, "detected up front, not after the busy timeout"
+    assert lease.release() is True
+    distlock.acquire(lock_name, ttl=30, blocking=False, using="default").release()
+
+
+def test_sqlite_deferred_transactions_are_refused_too(lock_name, monkeypatch):
+    # Django's default transaction_mode: a DEFERRED transaction takes the write slot at its first write,
+    # which Python cannot observe, so every open transaction on the database is refused.
+    connections["default"].ensure_connection()
+    monkeypatch.setattr(connections["default"], "transaction_mode", None)
+    with transaction.atomic():
+        FencingRejection.objects.create(model_label="written", offered_token=1)
+        with pytest.raises(distlock.LockWouldDeadlock):
+            distlock.acquire(lock_name, ttl=5, using="default")
+    with transaction.atomic():
+        assert not Lock.objects.filter(name=lock_name).exists()
+        with pytest.raises(distlock.LockWouldDeadlock):
+            distlock.acquire(lock_name, ttl=5, using="default")
+        # Refused although this read-only transaction leaves the write slot free, as another thread shows.
+        other = []
+        thread = threading.Thread(target=lambda: other.append(
+            distlock.acquire(lock_name, ttl=5, blocking=False, using="default").release()))
+        thread.start()
+        thread.join(30)
+        assert other == [True]
+
+
+def test_sqlite_self_deadlock_is_real_without_the_check(lock_name, settings):
+    """The write slot really is held: another thread, not in the transaction, waits for it and gives up."""
+    add_alias(settings, "sqlite_short", DATABASE="default", STATEMENT_TIMEOUT=1)
+    outcome = []
+
+    def contender():
+        started = time.monotonic()
+        try:
+            distlock.acquire(lock_name, ttl=5, blocking=False, using="sqlite_short")
+        except distlock.BackendUnavailable as exc:
+            outcome.append((exc, time.monotonic() - started))
+
+    with transaction.atomic():  # transaction_mode IMMEDIATE in tests.settings: holds the slot from BEGIN
+        thread = threading.Thread(target=contender)
+        thread.start()
+        thread.join(30)
+    ((error, waited),) = outcome
+    assert "stayed locked by another writer" in str(error)
+    assert 0.9 <= waited < 3
+
+
+@pytest.mark.django_db(transaction=False)
+def test_sqlite_locks_inside_a_transactional_test_case_raise_lock_would_deadlock(lock_name):
+    # pytest-django and TestCase wrap each test in a transaction; use transaction=True for lock tests.
+    with pytest.raises(distlock.LockWouldDeadlock):
+        distlock.acquire(lock_name, ttl=5, using="default")
+
+
+def test_sqlite_write_slot_held_by_another_connection_raises_backend_unavailable_within_the_timeout(lock_name):
+    other = sqlite3.connect(connections["default"].settings_dict["NAME"], isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        for timeout in (0, 1.5):
+            started = time.monotonic()
+            with pytest.raises(distlock.BackendUnavailable, match="stayed locked"):
+                distlock.acquire(lock_name, ttl=5, timeout=timeout, using="default")
+            assert time.monotonic() - started < max(timeout, 1) + 1.5
+        other.execute("ROLLBACK")
+        distlock.acquire(lock_name, ttl=5, blocking=False, using="default").release()
+    finally:
+        other.close()
+
+
+# -- the database's clock decides ------------------------------------------------------------------
+
+def test_expiry_is_judged_by_the_database_clock(db_alias, lock_name):
+    # The server says expired while the client's lease has 29 s left: the lock is free.
+    first = distlock.acquire(lock_name, ttl=30, using=db_alias)
+    move_expiry(db_alias, lock_name, -1)
+    assert first.remaining() > 25
+    second = distlock.acquire(lock_name, ttl=1, blocking=False, using=db_alias)
+    assert second.token > first.token
+    assert first.release() is False
+    # The client's lease has run out while the server says held: the lock is not free.
+    move_expiry(db_alias, lock_name, 3600)
+    time.sleep(1.2)
+    with pytest.raises(distlock.LockLost):
+        second.check()
+    with pytest.raises(distlock.LockNotAcquired):
+        distlock.acquire(lock_name, blocking=False, using=db_alias)
+    assert locks[db_alias].force_release(lock_name, second.owner) is True
+
+
+def _faketime_library():
+    found = glob.glob("/usr/lib/*/faketime/libfaketime.so.1")
+    if not found:
+        pytest.skip("libfaketime is not installed (Debian package 'faketime')")
+    return found[0]
+
+
+def skewed_client(alias, name, ttl):
+    """In a child process: try ``name`` once, print the outcome as JSON, hold it until stdin closes.
+
+    It never sleeps: libfaketime 0.9.10 breaks ``time.sleep`` (EINVAL from clock_nanosleep).
+    """
+    try:
+        lease = distlock.acquire(name, ttl=ttl, blocking=False, using=alias)
+    except distlock.LockNotAcquired:
+        print(json.dumps({"acquired": False}), flush=True)
+        return
+    print(json.dumps({"acquired": True, "token": lease.token, "owner": lease.owner}), flush=True)
+    sys.stdin.read()
+
+
+def start_skewed_client(offset, alias, name, ttl):
+    """Start ``skewed_client`` in a process whose wall clock is shifted by ``offset``; return it and its report."""
+    code = ("import django, sys; django.setup(); from tests.backends.test_database import skewed_client; "
+            f"skewed_client({alias!r}, {name!r}, {ttl!r})")
+    env = child_env(LD_PRELOAD=_faketime_library(), FAKETIME=offset, DONT_FAKE_MONOTONIC="1")
+    process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    line = process.stdout.readline()
+    if not line:
+        raise AssertionError(f"skewed client failed: {process.communicate()[1][-4000:]}")
+    return process, json.loads(line)
+
+
+def test_client_wall_clocks_do_not_matter_on_postgresql(lock_name):
+    alias = require_alias("postgres")
+    # A holder whose clock is an hour behind: by its clock, its row would be expired on arrival.
+    holder, held = start_skewed_client("-1h", alias, lock_name, ttl=30)
+    try:
+        assert held["acquired"]
+        with pytest.raises(distlock.LockNotAcquired):
+            distlock.acquire(lock_name, blocking=False, using=alias)
+        (info,) = locks[alias].held_locks(lock_name)
+        assert info.owner == held["owner"]
+        assert 29 <= (info.expires_at - info.acquired_at).total_seconds() <= 31
+    finally:
+        holder.communicate("")
+    assert locks[alias].force_release(lock_name, held["owner"]) is True
+    # A contender whose clock is an hour ahead: by its clock, our lock would have expired long ago.
+    with distlock.lock(lock_name, ttl=30, using=alias):
+        contender, outcome = start_skewed_client("+1h", alias, lock_name, ttl=30)
+        contender.communicate("")
+        assert outcome == {"acquired": False}
+
+
+def test_sqlite_time_is_each_process_own_clock(lock_name):
+    """Documented limit: SQLite computes 'now' in the calling process, so a process whose clock is off misjudges."""
+    lease = distlock.acquire(lock_name, ttl=30, using="default")
+    intruder, outcome = start_skewed_client("+1h", "default", lock_name, ttl=30)
+    intruder.communicate("")
+    assert outcome["acquired"] and outcome["token"] > lease.token
+    assert lease.release() is False
+
+
+# -- rows, listing, expiry ---------------------------------------------------------------------------
+
+def test_releasing_an_expired_lock_reports_false_and_leaves_no_row(db_alias, lock_name):
+    lease = distlock.acquire(lock_name, ttl=0.5, using=db_alias)
+    time.sleep(1)
+    assert lease.extend() is False
+    assert lease.release() is False
+    assert not Lock.objects.using(database_of(db_alias)).filter(name=lock_name).exists()
+
+
+def test_held_locks_matches_the_prefix_exactly(db_alias, lock_name):
+    names = [f"{lock_name}:Abc", f"{lock_name}:abc", f"{lock_name}:a_c", f"{lock_name}:a%c"]
+    token = current_task_id.set("task-42")
+    try:
+        leases = [distlock.acquire(name, ttl=30, using=db_alias) for name in names]
+    finally:
+        current_task_id.reset(token)
+    try:
+        backend = locks[db_alias]
+        # Not LIKE: '_' and '%' are plain characters, and case matters (SQLite's LIKE ignores it).
+        assert {info.name for info in backend.held_locks(f"{lock_name}:a")} == set(names[1:])
+        assert [info.name for info in backend.held_locks(f"{lock_name}:a_")] == [f"{lock_name}:a_c"]
+        assert [info.name for info in backend.held_locks(f"{lock_name}:A")] == [f"{lock_name}:Abc"]
+        info = backend.held_locks(names[0])[0]
+        assert (info.token, info.owner, info.task_id) == (leases[0].token, leases[0].owner, "task-42")
+        assert info.acquired_at.tzinfo is not None and info.expires_at.tzinfo is not None
+        assert 29 <= (info.expires_at - info.acquired_at).total_seconds() <= 30.01
+    finally:
+        for lease in leases:
+            lease.release()
+
+
+def test_sqlite_tokens_do_not_go_backwards_when_the_sequence_row_is_lost(lock_name):
+    with distlock.lock(lock_name, ttl=5, using="default") as before:
+        pass
+    with connections["default"].cursor() as cursor:
+        cursor.execute("DELETE FROM distlock_tokensequence")
+    with distlock.lock(lock_name, ttl=5, using="default") as after:
+        assert after.token > before.token
+
+
+# -- connections and failures ------------------------------------------------------------------------
+
+def _other_connections_to(database):
+    with connections[database].cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                       "AND pid <> pg_backend_pid()")
+        return cursor.fetchone()[0]
+
+
+def _wait_for(predicate, timeout=10):
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_a_connection_cut_by_the_server_is_replaced_on_the_next_call(lock_name):
+    alias = require_alias("postgres")
+    distlock.acquire(lock_name, ttl=5, using=alias).release()
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                       "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+    assert _wait_for(lambda: _other_connections_to("postgres") == 0)
+    lease = distlock.acquire(lock_name, ttl=5, blocking=False, using=alias)
+    assert lease.release() is True
+
+
+def test_close_ends_the_connections_of_every_thread(lock_name):
+    alias = require_alias("postgres")
+    assert _wait_for(lambda: _other_connections_to("postgres") == 0), "connections of earlier tests linger"
+    # All three threads stay alive until each has its connection: the backend closes the connections
+    # of finished threads when a new thread connects, which would otherwise make the count racy.
+    all_connected = threading.Barrier(3)
+
+    def take_and_release(i):
+        lease = distlock.acquire(f"{lock_name}:{i}", ttl=5, using=alias)
+        all_connected.wait(10)
+        lease.release()
+
+    threads = [threading.Thread(target=take_and_release, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert _other_connections_to("postgres") == 3
+    locks[alias].close()
+    assert _wait_for(lambda: _other_connections_to("postgres") == 0)
+
+
+@pytest.mark.filterwarnings("ignore:Overriding setting DATABASES")
+def test_a_black_holed_postgresql_raises_backend_unavailable_within_the_timeout(lock_name, settings):
+    require_alias("postgres")
+    target = settings.DATABASES["postgres"]
+    with FaultProxy(int(target["PORT"])) as proxy:
+        settings.DATABASES = {**settings.DATABASES,
+                              "postgres_proxied": {**target, "HOST": "127.0.0.1", "PORT": str(proxy.port)}}
+        add_alias(settings, "proxied", DATABASE="postgres_proxied", STATEMENT_TIMEOUT=2)
+        lease = distlock.acquire(lock_name, ttl=30, using="proxied")
+        proxy.blackhole()
+        # A statement on an open connection: cut at STATEMENT_TIMEOUT...
+        started = time.monotonic()
+        with pytest.raises(distlock.BackendUnavailable, match="did not answer within 2s"):
+            lease.extend()
+        assert 2 <= time.monotonic() - started < 3.5
+        # ...a new connection: cut at the connect timeout (libpq's minimum is 2 s)...
+        started = time.monotonic()
+        with pytest.raises(distlock.BackendUnavailable, match="timeout"):
+            distlock.acquire(f"{lock_name}:2", ttl=5, timeout=0.5, using="proxied")
+        assert time.monotonic() - started < 4
+        # ...and a statement on an open connection with a shorter caller's timeout: cut at that timeout.
+        proxy.heal()
+        locks["proxied"].ping()
+        proxy.blackhole()
+        started = time.monotonic()
+        with pytest.raises(distlock.BackendUnavailable, match="did not answer within 1.5s"):
+            distlock.acquire(f"{lock_name}:2", ttl=5, timeout=1.5, using="proxied")
+        assert 1.5 <= time.monotonic() - started < 3
+        proxy.heal()
+        assert lease.release() is True
+
+
+@pytest.mark.filterwarnings("ignore:Overriding setting DATABASES")
+def test_a_database_without_the_tables_says_to_migrate(settings, tmp_path):
+    settings.DATABASES = {**settings.DATABASES, "empty": {"ENGINE": "django.db.backends.sqlite3",
+                                                          "NAME": str(tmp_path / "empty.sqlite3")}}
+    add_alias(settings, "unmigrated", DATABASE="empty")
+    with pytest.raises(distlock.BackendUnavailable, match="Run `manage.py migrate distlock --database empty`"):
+        distlock.acquire("anything", ttl=5, using="unmigrated")
+
+
+# -- configuration -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"DATABASE": "nope"}, r"'DATABASE'\] is 'nope', which is not in settings.DATABASES"),
+    ({"DATABASE": 3}, r"'DATABASE'\] must be the alias of a database"),
+    ({"STATEMENT_TIMEOUT": 0}, r"'STATEMENT_TIMEOUT'\] must be a finite number of seconds above zero"),
+    ({"DATABASE": "dummy"}, r"whose vendor is 'unknown'; the database backend supports PostgreSQL and SQLite"),
+    ({"DATABASE": "memory"}, r"an in-memory SQLite database"),
+])
+@pytest.mark.filterwarnings("ignore:Overriding setting DATABASES")
+def test_bad_options_are_refused_without_io(options, message, settings):
+    settings.DATABASES = {**settings.DATABASES, "dummy": {"ENGINE": "django.db.backends.dummy"},
+                          "memory": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}}
+    with pytest.raises(ImproperlyConfigured, match=message):
+        DatabaseBackend.clean_options("locks", options)
+
+
+def test_an_sqlite_without_returning_is_refused(monkeypatch):
+    monkeypatch.setattr(sqlite3, "sqlite_version_info", (3, 34, 1))
+    with pytest.raises(ImproperlyConfigured, match="needs SQLite 3.35 or later"):
+        DatabaseBackend.clean_options("locks", {})
+
+
+@pytest.mark.filterwarnings("ignore:Overriding setting DATABASES")
+def test_options_of_a_server_that_is_down_are_accepted(settings):
+    settings.DATABASES = {**settings.DATABASES, "down": {
+        "ENGINE": "django.db.backends.postgresql", "HOST": "127.0.0.1", "PORT": "1", "NAME": "x"}}
+    assert DatabaseBackend.clean_options("locks", {"DATABASE": "down"})["STATEMENT_TIMEOUT"] == 5

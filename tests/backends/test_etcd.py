@@ -1,0 +1,440 @@
+"""etcd-specific behaviour: options, key encoding, session lease, faults on a private 3-member cluster.
+
+The destructive tests (pause, stop, kill members) run on a cluster of this module's own, never on
+the shared one of the contract suite; each restores every member before it ends.
+"""
+
+import logging
+import math
+import os
+import threading
+import time
+import uuid
+from urllib.parse import quote
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from hypothesis import given
+from hypothesis import strategies as st
+
+import distlock
+from distlock.backends.etcd import EtcdBackend, _range_end
+from distlock.handler import locks
+from distlock.signals import lock_lost
+from tests.conftest import require_alias
+from tests.servers import free_port
+from tests.servers.etcd import ELECTION_TIMEOUT_MS, EtcdCluster
+from tests.workers import spawn
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+BACKEND = "distlock.backends.etcd.EtcdBackend"
+#: The shortest lease etcd grants with the cluster's flags: 1.5 x election timeout, rounded up.
+ETCD_MIN_TTL = math.ceil(1.5 * ELECTION_TIMEOUT_MS / 1000)
+
+
+# -- options and key layout: pure logic, no server ------------------------------------------------------
+
+
+@pytest.mark.parametrize(("options", "endpoints"), [
+    ({}, ["127.0.0.1:2379"]),
+    ({"HOST": "etcd.internal"}, ["etcd.internal:2379"]),
+    ({"HOST": "10.0.0.5", "PORT": 23790}, ["10.0.0.5:23790"]),
+    ({"ENDPOINTS": "a:1,b:2, c:3"}, ["a:1", "b:2", "c:3"]),
+    ({"ENDPOINTS": ["a:1", "http://b:2"]}, ["a:1", "b:2"]),
+])
+def test_endpoint_options(options, endpoints):
+    assert EtcdBackend("e", options)._connection.addresses == endpoints
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"ENDPOINTS": "a:1", "HOST": "b"}, "both ENDPOINTS and HOST/PORT"),
+    ({"ENDPOINTS": ["a:1"], "PORT": 2}, "both ENDPOINTS and HOST/PORT"),
+    ({"ENDPOINTS": "a"}, "'host:port'"),
+    ({"ENDPOINTS": "a:0"}, "port from 1 to 65535"),
+    ({"ENDPOINTS": ["a:1", 7]}, "'host:port' string"),
+    ({"ENDPOINTS": []}, "at least one endpoint"),
+    ({"ENDPOINTS": "https://a:1"}, "TLS"),
+    ({"ENDPOINTS": 2379}, "ENDPOINTS"),
+    ({"PORT": "2379"}, "PORT"),
+    ({"LEASE_TTL": 2.5}, "whole number of seconds"),
+    ({"LEASE_TTL": 0}, "from 1 to"),
+    ({"TIMEOUT": 0}, "TIMEOUT"),
+    ({"PREFIX": ""}, "PREFIX"),
+    ({"HOSTS": "a:1"}, "unknown option"),
+])
+def test_bad_options_name_the_option(options, message):
+    with pytest.raises(ImproperlyConfigured, match=message) as excinfo:
+        EtcdBackend("e", options)
+    assert "DISTLOCK['e']" in str(excinfo.value)
+
+
+def test_building_the_backend_does_no_io():
+    backend = EtcdBackend("e", {"ENDPOINTS": f"127.0.0.1:{free_port()}"})
+    assert backend._connection._channels is None and backend._keeper is None
+    backend.close()
+
+
+@given(st.text(min_size=1), st.text(min_size=1))
+def test_a_lock_s_key_range_holds_only_its_own_keys(name, other):
+    backend = EtcdBackend("e", {})
+    mine, theirs = backend._lock_prefix(name), backend._lock_prefix(other)
+    assert (theirs.startswith(mine)) == (name == other)
+    assert mine.count(b"/") == backend._prefix.count(b"/") + 1, "the name part must hold no '/'"
+
+
+@given(st.text(min_size=1), st.text())
+def test_held_locks_prefix_matches_exactly_the_names_that_start_with_it(name, prefix):
+    encoded_name, encoded_prefix = quote(name, safe="").encode(), quote(prefix, safe="").encode()
+    assert encoded_name.startswith(encoded_prefix) == name.startswith(prefix)
+
+
+def test_range_end():
+    assert _range_end(b"/a/") == b"/a0"
+    assert _range_end(b"a\xff") == b"b"
+    assert _range_end(b"\xff\xff") == b"\0"
+
+
+# -- a private cluster ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with EtcdCluster(tmp_path_factory.mktemp("etcd")) as running:
+        yield running
+
+
+@pytest.fixture
+def restore(cluster):
+    """Resume, restart and wait for every member after a test that disturbed them."""
+    yield
+    for member in cluster.members:
+        member.resume()
+        if not member.running:
+            member.start()
+    cluster.wait_healthy(60, members=cluster.members)
+
+
+@pytest.fixture
+def prefix():
+    return f"/distlock-etcd-test-{uuid.uuid4().hex[:8]}/"
+
+
+@pytest.fixture
+def configure(settings, cluster, prefix):
+    """Point DISTLOCK aliases at the private cluster: ``configure(alias=options, ...)``, once per test.
+
+    Every alias is its own backend, hence its own session lease, like a separate process.
+    """
+    def configure_aliases(**aliases):
+        settings.DISTLOCK = {**settings.DISTLOCK, **{
+            alias: {"BACKEND": BACKEND, "OPTIONS": {"ENDPOINTS": cluster.endpoints, "PREFIX": prefix, **options}}
+            for alias, options in aliases.items()
+        }}
+        return list(aliases)
+
+    return configure_aliases
+
+
+@pytest.fixture
+def lost_leases():
+    seen = []
+
+    def receiver(lease, reason, **kwargs):
+        seen.append((lease, reason))
+
+    lock_lost.connect(receiver)
+    yield seen
+    lock_lost.disconnect(receiver)
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {timeout}s")
+        time.sleep(0.02)
+
+
+def acquire_in_thread(name, **kwargs):
+    """Start ``distlock.acquire(name, **kwargs)`` in a thread; return (thread, result dict)."""
+    result = {}
+
+    def run():
+        try:
+            result["lease"] = distlock.acquire(name, **kwargs)
+            result["at"] = time.monotonic()
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            result["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, result
+
+
+def queue_length(cluster, prefix, name):
+    return len(cluster.keys(f"{prefix}{quote(name, safe='')}/".encode()))
+
+
+@pytest.mark.parametrize(("lease_ttl", "effective"), [(1, ETCD_MIN_TTL), (ETCD_MIN_TTL + 1, ETCD_MIN_TTL + 1)])
+def test_session_timeout_reports_the_ttl_etcd_granted(configure, lock_name, lease_ttl, effective):
+    (alias,) = configure(etcd_own={"LEASE_TTL": lease_ttl})
+    with distlock.lock(lock_name, ttl=30, using=alias) as lease:
+        assert lease.session_timeout == effective
+        assert lease.remaining() > 29, "the per-call ttl keeps its meaning"
+
+
+def test_no_lease_or_key_is_left_behind_after_100_cycles(configure, cluster, prefix, lock_name):
+    holder_alias, other_alias = configure(etcd_own={}, etcd_other={})
+    warm_up = distlock.acquire(f"{lock_name}:warm-up", ttl=10, using=holder_alias)
+    warm_up.release()
+    session_id = warm_up.handle.session.id
+    blocker = distlock.acquire(f"{lock_name}:busy", ttl=60, using=other_alias)
+    before = set(cluster.leases())
+    assert {session_id, blocker.handle.session.id} <= before
+    for i in range(100):
+        with distlock.lock(f"{lock_name}:{i % 7}", ttl=10, using=holder_alias) as lease:
+            assert lease.handle.session.id == session_id, "every lock shares the one session lease"
+        if i % 20 == 0:  # misses and timed-out waits leave nothing behind either
+            with pytest.raises(distlock.LockNotAcquired):
+                distlock.acquire(f"{lock_name}:busy", blocking=False, using=holder_alias)
+            with pytest.raises(distlock.LockNotAcquired):
+                distlock.acquire(f"{lock_name}:busy", timeout=0.2, using=holder_alias)
+    assert set(cluster.leases()) - before == set(), "no lease was granted on the way"
+    blocker.release()
+    assert cluster.keys(prefix.encode()) == []
+    locks.close_all()  # close() revokes each backend's session lease
+    assert not {session_id, blocker.handle.session.id} & set(cluster.leases())
+
+
+def test_the_stock_python_etcd3_lock_leaks_a_lease_per_acquire(cluster, lock_name):
+    """The measuring stick of the leak test above: python3-etcd3's lock() does leak, and the lease list sees it."""
+    import etcd3  # noqa: PLC0415
+
+    host, port = cluster.members[0].address.split(":")
+    client = etcd3.client(host=host, port=int(port), timeout=5)
+    try:
+        before = set(cluster.leases())
+        for _ in range(10):
+            stock = client.lock(lock_name, ttl=30)
+            assert stock.acquire(timeout=5)
+            stock.release()
+        assert len(set(cluster.leases()) - before) == 10
+    finally:
+        for lease_id in set(cluster.leases()) - before:
+            cluster.revoke_lease(lease_id)
+        client.close()
+
+
+def test_only_the_holder_is_listed_while_others_wait(configure, cluster, prefix, lock_name):
+    (alias,) = configure(etcd_own={})
+    holder = distlock.acquire(lock_name, ttl=30, using=alias)
+    thread, result = acquire_in_thread(lock_name, ttl=30, timeout=20, using=alias)
+    wait_for(lambda: queue_length(cluster, prefix, lock_name) == 2, 10, "the waiter did not queue")
+    (info,) = locks[alias].held_locks(lock_name)
+    assert (info.owner, info.token, info.pid) == (holder.owner, holder.token, os.getpid())
+    assert info.expires_at is None, "the ttl lives in the holder's process"
+    time.sleep(1.1)
+    holder.release()
+    thread.join(20)
+    waiter = result["lease"]
+    (info,) = locks[alias].held_locks(lock_name)
+    assert (info.owner, info.token) == (waiter.owner, waiter.token)
+    assert (waiter.acquired_at - info.acquired_at).total_seconds() > 1, "the listing shows when it queued"
+    assert waiter.attempts > 1
+    waiter.release()
+
+
+def test_waiters_get_the_lock_in_the_order_they_queued(configure, cluster, prefix, lock_name):
+    (alias,) = configure(etcd_own={})
+    holder = distlock.acquire(lock_name, ttl=30, using=alias)
+    order = []
+
+    def contend(index):
+        with distlock.lock(lock_name, ttl=30, timeout=30, using=alias) as lease:
+            order.append((index, lease.token))
+            time.sleep(0.05)
+
+    threads = []
+    for index in range(4):
+        threads.append(threading.Thread(target=contend, args=(index,)))
+        threads[-1].start()
+        wait_for(lambda: queue_length(cluster, prefix, lock_name) == index + 2, 10, "a waiter did not queue")
+    holder.release()
+    for thread in threads:
+        thread.join(30)
+    assert [index for index, _ in order] == [0, 1, 2, 3]
+    assert [token for _, token in order] == sorted(token for _, token in order)
+
+
+def test_ttl_is_enforced_by_the_holder_process_even_if_it_never_releases(lock_name):
+    """A live holder that forgets its lease: its own process deletes the key at the ttl, long before the session."""
+    require_alias("etcd")
+    holder = spawn("hold", alias="etcd", name=lock_name, ttl=1)
+    try:
+        assert holder.stdout.readline(), holder.stderr.read()
+        started = time.monotonic()
+        lease = distlock.acquire(lock_name, ttl=5, timeout=15, using="etcd")
+        took = time.monotonic() - started
+        assert holder.poll() is None, "the holder is still alive"
+        assert took < 1 + 1.5 < lease.session_timeout, took
+        lease.release()
+    finally:
+        holder.kill()
+        holder.communicate()
+
+
+def test_a_waiter_is_woken_after_its_watch_stream_breaks(configure, cluster, restore, prefix, lock_name, caplog):
+    """python3-etcd3's own watch thread dies with NameError('six') when a stream ends; ours re-reads and re-watches."""
+    leader = cluster.leader()
+    watched, other = [member for member in cluster.members if member is not leader]
+    holder_alias, waiter_alias = configure(
+        etcd_holder={"ENDPOINTS": [leader.address, other.address]},
+        etcd_waiter={"ENDPOINTS": [watched.address, leader.address, other.address]},
+    )
+    holder = distlock.acquire(lock_name, ttl=60, using=holder_alias)
+    with caplog.at_level(logging.INFO, logger="distlock.backends.etcd"):
+        thread, result = acquire_in_thread(lock_name, ttl=30, timeout=30, using=waiter_alias)
+        wait_for(lambda: queue_length(cluster, prefix, lock_name) == 2, 10, "the waiter did not queue")
+        time.sleep(0.3)  # its watch is open on `watched`
+        watched.stop()
+        wait_for(lambda: f"etcd watch on {watched.address} ended" in caplog.text, 5, "the watch stream did not break")
+        time.sleep(0.5)  # the waiter watches again, through another member
+        released_at = time.monotonic()
+        holder.release()
+        thread.join(30)
+    assert "lease" in result, result
+    assert result["at"] - released_at < 1.5, "woken by the release, not by the periodic re-check (TIMEOUT=5)"
+    assert result["lease"].token > holder.token
+    result["lease"].release()
+
+
+def test_a_waiter_whose_session_lease_was_revoked_queues_again(configure, cluster, prefix, lock_name):
+    """The waiter's key vanished with its lease: it must not take the lock on a dead lease (etcd issue 11456).
+
+    A second waiter queued behind it gets the lock first; the first one queues again on a new session lease.
+    """
+    holder_alias, waiter_alias, behind_alias = configure(etcd_holder={}, etcd_waiter={}, etcd_behind={})
+    lock_keys = f"{prefix}{quote(lock_name, safe='')}/".encode()
+    holder = distlock.acquire(lock_name, ttl=60, using=holder_alias)
+    order, errors = [], []
+
+    def contend(alias):
+        try:
+            with distlock.lock(lock_name, ttl=30, timeout=30, using=alias) as lease:
+                listed = [info.owner for info in locks[alias].held_locks(lock_name)]
+                order.append((alias, lease.token, listed == [lease.owner]))
+                time.sleep(0.2)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    waiter = threading.Thread(target=contend, args=(waiter_alias,))
+    waiter.start()
+    wait_for(lambda: len(cluster.keys(lock_keys)) == 2, 10, "the waiter did not queue")
+    (_, _, revoked) = max(cluster.keys(lock_keys), key=lambda kv: kv[1])
+    behind = threading.Thread(target=contend, args=(behind_alias,))
+    behind.start()
+    wait_for(lambda: len(cluster.keys(lock_keys)) == 3, 10, "the second waiter did not queue")
+    cluster.revoke_lease(revoked)
+    assert len(cluster.keys(lock_keys)) == 2
+    holder.release()
+    waiter.join(30)
+    behind.join(30)
+    assert errors == []
+    assert order == [(behind_alias, order[0][1], True), (waiter_alias, order[1][1], True)], "each held a live key"
+    assert holder.token < order[0][1] < order[1][1]
+    assert cluster.keys(lock_keys) == []
+
+
+@pytest.mark.parametrize("fault", ["pause", "stop"])
+def test_keepalive_failure_past_the_lease_ttl_marks_leases_lost(
+        configure, cluster, restore, lost_leases, lock_name, fault):
+    holder_alias, other_alias = configure(etcd_holder={"LEASE_TTL": 2, "TIMEOUT": 1}, etcd_other={})
+    lease = distlock.acquire(lock_name, ttl=120, using=holder_alias)
+    session_timeout = lease.session_timeout
+    assert session_timeout == 2
+    failed_at = time.monotonic()
+    for member in cluster.members:
+        getattr(member, fault)()
+    try:
+        wait_for(lambda: lease.lost, session_timeout + 1.5, "the lease was not marked lost")
+        lost_after = time.monotonic() - failed_at
+        assert lost_after >= session_timeout * 2 / 3, "not before the last keepalive's lease could run out"
+        assert [lost for lost, _ in lost_leases] == [lease] and "session lease" in lost_leases[0][1]
+        with pytest.raises(distlock.LockLost, match="session lease"):
+            lease.check()
+    finally:
+        for member in cluster.members:
+            member.resume() if fault == "pause" else member.start()
+    cluster.wait_healthy(60, members=cluster.members)
+    # The lock is free again soon (etcd expires or we revoke the abandoned lease) and fenced above the old holder.
+    other = distlock.acquire(lock_name, ttl=10, timeout=session_timeout + 10, using=other_alias)
+    assert other.token > lease.token
+    assert lease.release() is False
+    other.release()
+    again = distlock.acquire(lock_name, ttl=10, timeout=10, using=holder_alias)
+    assert again.handle.session.id != lease.handle.session.id and not again.lost
+    again.release()
+
+
+def test_after_the_leader_is_killed_acquisitions_succeed_within_seconds(
+        configure, cluster, restore, lost_leases, lock_name):
+    leader = cluster.leader()
+    endpoints = [leader.address] + [member.address for member in cluster.members if member is not leader]
+    holder_alias, other_alias = configure(etcd_holder={"ENDPOINTS": endpoints, "LEASE_TTL": 3},
+                                          etcd_other={"ENDPOINTS": endpoints})
+    held = distlock.acquire(f"{lock_name}:held", ttl=60, using=holder_alias)
+    distlock.acquire(f"{lock_name}:warm-up", ttl=5, using=other_alias).release()
+    leader.kill()
+    killed_at = time.monotonic()
+    fresh = distlock.acquire(f"{lock_name}:fresh", ttl=10, timeout=15, using=other_alias)
+    recovered_after = time.monotonic() - killed_at
+    assert recovered_after < 5, f"a new acquisition took {recovered_after:.1f}s after the leader died"
+    assert fresh.token > held.token
+    fresh.release()
+    # The lease held across the election is either still ours and excludes others, or reported lost.
+    time.sleep(held.session_timeout + 1)
+    if held.lost:
+        assert [lease for lease, _ in lost_leases] == [held]
+        distlock.acquire(f"{lock_name}:held", ttl=10, timeout=10, using=other_alias).release()
+    else:
+        held.check()
+        with pytest.raises(distlock.LockNotAcquired):
+            distlock.acquire(f"{lock_name}:held", blocking=False, using=other_alias)
+        assert held.release() is True
+
+
+def test_a_paused_cluster_raises_backend_unavailable_within_the_timeout(configure, cluster, restore, lock_name):
+    (alias,) = configure(etcd_own={"TIMEOUT": 5})
+    distlock.acquire(f"{lock_name}:warm-up", ttl=5, using=alias).release()
+    for member in cluster.members:
+        member.pause()
+    for timeout in (0, 1.5):
+        started = time.monotonic()
+        with pytest.raises(distlock.BackendUnavailable, match="etcd alias"):
+            distlock.acquire(lock_name, ttl=5, timeout=timeout, using=alias)
+        assert time.monotonic() - started < max(timeout, 1) + 1
+
+
+def test_a_holder_frozen_past_its_session_ttl_finds_its_lease_expired_at_once(lock_name):
+    """``check()`` is local, yet bounded by the session: no background thread has to run first."""
+    import json  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+
+    from tests.conftest import require_alias  # noqa: PLC0415
+    from tests.workers import spawn  # noqa: PLC0415
+
+    alias = require_alias("etcd")
+    holder = spawn("hold_then_check", alias=alias, name=lock_name, ttl=120, options={"LEASE_TTL": 2})
+    try:
+        held = json.loads(holder.stdout.readline())
+        holder.send_signal(signal.SIGSTOP)
+        time.sleep(held["session_timeout"] + 1)
+        holder.send_signal(signal.SIGCONT)
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        report = json.loads(holder.stdout.readline())
+        assert report["check"] == "LockLost" and "session" in report["message"], report
+    finally:
+        holder.kill()
+        holder.communicate()

@@ -1,0 +1,377 @@
+"""What the Redis backend promises beyond the contract: tokens across restarts, fair hand-off, the queue, options."""
+
+import json
+import os
+import signal
+import threading
+import time
+from collections import Counter
+
+import pytest
+import redis
+from django.core.exceptions import ImproperlyConfigured
+from django_redis import get_redis_connection
+
+import distlock
+from distlock.backends.redis import WAITER_TTL, RedisBackend
+from distlock.checks import check_distlock_setting
+from distlock.handler import locks
+from distlock.holder import current_task_id
+from tests.conftest import require_alias
+from tests.servers.redis import RedisServer
+from tests.workers import spawn
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+PREFIX = "distlock-own"
+
+
+@pytest.fixture(scope="module")
+def own_server():
+    """A private redis-server without persistence, for tests that restart, pause or inspect it."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def own_alias(own_server, settings):
+    """The alias 'own' on the private server, emptied before the test."""
+    redis.Redis.from_url(own_server.url).flushall()
+    settings.DISTLOCK = {**settings.DISTLOCK, "own": {
+        "BACKEND": "distlock.backends.redis.RedisBackend",
+        "OPTIONS": {"URL": own_server.url, "KEY_PREFIX": PREFIX, "SOCKET_TIMEOUT": 1}}}
+    return "own"
+
+
+@pytest.fixture
+def own_client(own_server):
+    client = redis.Redis.from_url(own_server.url)
+    yield client
+    client.close()
+
+
+def queue_length(client, name):
+    return client.zcard(f"{PREFIX}:queue:{name}")
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout}s"
+        time.sleep(0.01)
+
+
+# -- fencing tokens ---------------------------------------------------------------------------------
+
+def test_token_never_goes_backwards_after_a_restart_without_persistence(own_server, own_alias, own_client):
+    tokens = []
+    for _ in range(3):
+        with distlock.lock("restart", ttl=10, using=own_alias) as lease:
+            tokens.append(lease.token)
+    assert own_client.get(f"{PREFIX}:token") is not None
+
+    own_server.restart()
+    fresh = redis.Redis.from_url(own_server.url)
+    assert fresh.dbsize() == 0, "the server must come back empty: counter and locks forgotten"
+    fresh.close()
+
+    # The backend's pooled connections died with the server, and the server forgot the scripts:
+    # the next acquire reconnects and reloads them without reporting the server down.
+    with distlock.lock("restart", ttl=10, using=own_alias) as lease:
+        assert lease.token > max(tokens)
+        assert lease.token_is_safe
+    with distlock.lock("another-name", ttl=10, using=own_alias) as later:
+        assert later.token > lease.token
+
+
+def test_token_follows_the_counter_when_it_runs_ahead_of_the_clock(own_alias, own_client):
+    ahead = int(time.time() * 1e6) + 10**12  # an alias that issued more tokens than microseconds passed
+    own_client.set(f"{PREFIX}:token", ahead)
+    with distlock.lock("ahead", ttl=10, using=own_alias) as lease:
+        assert lease.token == ahead + 1
+
+
+# -- fair hand-off ----------------------------------------------------------------------------------
+
+def test_a_releaser_that_comes_straight_back_queues_behind_the_waiter(settings):
+    alias = require_alias("redis")  # the child process knows only the aliases of tests/settings.py
+    options = settings.DISTLOCK[alias]["OPTIONS"]
+    client = redis.Redis.from_url(options["URL"])
+    name = f"handoff:{time.monotonic_ns()}"
+    first = distlock.acquire(name, ttl=30, using=alias)
+    child = spawn("hold", alias=alias, name=name, ttl=1)  # takes the lock when it can, holds it until its ttl
+    try:
+        wait_for(lambda: client.zcard(f"{options['KEY_PREFIX']}:queue:{name}") == 1 or child.poll() is not None,
+                 30, "the child process queueing")
+        # Freeze the waiter so that no race decides the outcome: it cannot take the lock before we try.
+        child.send_signal(signal.SIGSTOP)
+        first.release()
+        with pytest.raises(distlock.LockNotAcquired):
+            distlock.acquire(name, ttl=10, blocking=False, using=alias)  # the free lock is kept for the waiter
+        child.send_signal(signal.SIGCONT)
+        with distlock.lock(name, ttl=10, timeout=15, using=alias) as again:  # queues behind the waiter
+            pass
+        child_token = json.loads(child.stdout.readline())["token"]
+        assert first.token < child_token < again.token, "the waiter must get the lock before the releaser"
+    finally:
+        child.send_signal(signal.SIGCONT)
+        if child.poll() is None:
+            child.kill()
+        child.communicate()
+        client.close()
+
+
+def test_four_contenders_take_turns(own_alias):
+    """No starvation: four threads hammering one key share it equally and hand it on nearly every time."""
+    count, events, barrier = 100, [], threading.Barrier(4)
+
+    def contender(index):
+        barrier.wait()
+        for _ in range(count):
+            with distlock.lock("turns", ttl=30, timeout=60, using=own_alias):
+                events.append((time.monotonic_ns(), index))
+                time.sleep(0.001)
+
+    threads = [threading.Thread(target=contender, args=(index,)) for index in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    events.sort()
+    # Only the stretch in which all four compete says anything about fairness: up to the first one's last turn.
+    end = min(max(at for at, who in events if who == index) for index in range(4))
+    window = [who for at, who in events if at <= end]
+    counts = Counter(window)
+    jain = sum(counts.values()) ** 2 / (4 * sum(n * n for n in counts.values()))
+    handoffs = sum(1 for before, after in zip(window, window[1:]) if before != after)
+    assert len(window) >= 3 * count, f"one contender finished after {len(window)} of {4 * count} turns"
+    assert jain >= 0.95, counts
+    assert handoffs >= 0.9 * (len(window) - 1), f"{handoffs} hand-offs in {len(window)} turns"
+
+
+# -- waking ------------------------------------------------------------------------------------------
+
+def test_waiter_is_woken_by_the_release_at_once(own_alias, own_client):
+    holder = distlock.acquire("wake", ttl=30, using=own_alias)
+    timer = threading.Timer(0.5, holder.release)
+    own_client.config_resetstat()
+    started = time.monotonic()
+    timer.start()
+    with distlock.lock("wake", ttl=10, timeout=10, using=own_alias):
+        waited = time.monotonic() - started
+    timer.join()
+    assert 0.5 <= waited < 0.5 + 0.3
+    attempts = own_client.info("commandstats")["cmdstat_evalsha"]["calls"]
+    assert attempts <= 6, f"{attempts} scripts ran while waiting half a second: the waiter is polling"
+
+
+def test_waiter_is_woken_when_the_holder_ttl_runs_out(own_alias, own_client):
+    holder = distlock.acquire("expire", ttl=1.2, using=own_alias)  # never released: its owner "died"
+    own_client.config_resetstat()
+    started = time.monotonic()
+    with distlock.lock("expire", ttl=10, timeout=10, using=own_alias) as lease:
+        waited = time.monotonic() - started
+        assert holder.lost, "the waiter got the lock before the holder's ttl ran out"
+        assert lease.token > holder.token
+    assert waited < 1.2 + 0.3
+    attempts = own_client.info("commandstats")["cmdstat_evalsha"]["calls"]
+    assert attempts <= 6, f"{attempts} attempts while waiting 1.2s: the waiter is polling"
+
+
+def test_waiter_wakes_within_the_holder_ttl_not_its_refresh_period(own_alias):
+    holder = distlock.acquire("expire-soon", ttl=0.3, using=own_alias)
+    started = time.monotonic()
+    with distlock.lock("expire-soon", ttl=10, timeout=10, using=own_alias):
+        waited = time.monotonic() - started
+    assert waited < 0.3 + 0.25, f"woke {waited:.3f}s after a 0.3s holder"
+    assert holder.lost
+
+
+# -- the queue ----------------------------------------------------------------------------------------
+
+def test_a_waiter_that_times_out_leaves_the_queue_at_once(own_alias, own_client):
+    holder = distlock.acquire("timeout", ttl=30, using=own_alias)
+    with pytest.raises(distlock.LockNotAcquired):
+        distlock.acquire("timeout", ttl=10, timeout=0.3, using=own_alias)
+    assert queue_length(own_client, "timeout") == 0
+    holder.release()
+    distlock.acquire("timeout", ttl=10, blocking=False, using=own_alias).release()
+
+
+def test_queue_entry_of_a_dead_waiter_stops_blocking_after_it_expires(settings):
+    alias = require_alias("redis")  # the child process knows only the aliases of tests/settings.py
+    options = settings.DISTLOCK[alias]["OPTIONS"]
+    client = redis.Redis.from_url(options["URL"])
+    name = f"dead-waiter:{time.monotonic_ns()}"
+    queue = f"{options['KEY_PREFIX']}:queue:{name}"
+    holder = distlock.acquire(name, ttl=30, using=alias)
+    child = spawn("hold", alias=alias, name=name, ttl=30)
+    try:
+        wait_for(lambda: client.zcard(queue) == 1 or child.poll() is not None, 30, "the child process queueing")
+        assert child.poll() is None, child.communicate()[1][-2000:]
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        killed_at = time.monotonic()
+        holder.release()
+        # The dead waiter heads the queue: the free lock is kept for it until its entry expires ...
+        with pytest.raises(distlock.LockNotAcquired):
+            distlock.acquire(name, ttl=10, blocking=False, using=alias)
+        # ... within WAITER_TTL of its last refresh; then a blocking waiter gets the lock.
+        with distlock.lock(name, ttl=10, timeout=WAITER_TTL + 5, using=alias):
+            waited = time.monotonic() - killed_at
+        assert waited < WAITER_TTL + 1.0
+        assert client.exists(queue) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.communicate()
+        client.close()
+
+
+# -- listing ------------------------------------------------------------------------------------------
+
+def test_held_locks_scans_and_matches_the_prefix_literally(own_alias, own_client):
+    backend = locks[own_alias]
+    names = [f"many:{i}" for i in range(1200)]  # more than one SCAN page
+    odd = ["glob*:a", "glob?:b", "glob[x]:c", "glob\\:d", "日本:e"]
+    token = current_task_id.set("task-42")
+    try:
+        leases = [distlock.acquire(name, ttl=30, using=own_alias) for name in names + odd]
+    finally:
+        current_task_id.reset(token)
+    own_client.config_resetstat()
+    try:
+        listed = backend.held_locks("many:")
+        assert sorted(info.name for info in listed) == sorted(names)
+        assert sorted(info.name for info in backend.held_locks("glob")) == sorted(odd[:4])
+        assert [info.name for info in backend.held_locks("glob*")] == ["glob*:a"]
+        assert [info.name for info in backend.held_locks("glob?")] == ["glob?:b"]
+        assert [info.name for info in backend.held_locks("glob[x]")] == ["glob[x]:c"]
+        assert [info.name for info in backend.held_locks("glob\\")] == ["glob\\:d"]
+        (info,) = backend.held_locks("日本")
+        lease = leases[-1]
+        assert (info.owner, info.token, info.pid, info.task_id) == (lease.owner, lease.token, os.getpid(), "task-42")
+        assert info.expires_at > info.acquired_at
+        stats = own_client.info("commandstats")
+        assert "cmdstat_keys" not in stats and stats["cmdstat_scan"]["calls"] >= 3
+    finally:
+        for lease in leases:
+            lease.release()
+    assert backend.held_locks("many:") == []
+
+
+# -- connections and errors -------------------------------------------------------------------------
+
+def test_cache_option_reuses_the_django_redis_pool(lock_name):
+    alias = require_alias("redis_cache")
+    backend = locks[alias]
+    cache_client = get_redis_connection(backend.settings["CACHE"])
+    assert backend.pool is cache_client.connection_pool
+    with distlock.lock(lock_name, ttl=10, using=alias):
+        key = f"{backend.settings['KEY_PREFIX']}:lock:{lock_name}"
+        assert cache_client.exists(key) == 1, "the lock must live on the cache's server, under KEY_PREFIX"
+        in_use = set(cache_client.connection_pool._in_use_connections)
+        assert in_use, "the backend's connections come from the cache's pool"
+    backend.close()
+    assert cache_client.ping(), "closing the backend must leave the cache's pool usable"
+
+
+def test_frozen_server_gives_backend_unavailable_within_the_timeout(own_server, own_alias):
+    distlock.acquire("frozen", ttl=1, using=own_alias).release()  # a pooled connection exists
+    own_server.pause()
+    try:
+        for timeout in (0.5, 1.5):
+            started = time.monotonic()
+            with pytest.raises(distlock.BackendUnavailable, match="own"):
+                distlock.acquire("frozen", ttl=1, timeout=timeout, using=own_alias)
+            assert time.monotonic() - started < timeout + 0.5
+        started = time.monotonic()
+        with pytest.raises(distlock.BackendUnavailable):
+            distlock.acquire("frozen", ttl=1, blocking=False, using=own_alias)
+        assert time.monotonic() - started < 1 + 0.5, "a non-blocking try waits at most SOCKET_TIMEOUT"
+    finally:
+        own_server.resume()
+    # The requests that timed out still run when the server resumes: their grants, which nobody
+    # holds, free the lock when their ttl runs out.
+    distlock.acquire("frozen", ttl=1, timeout=1 + WAITER_TTL + 2, using=own_alias).release()
+
+
+def test_a_waiting_acquire_reports_a_server_frozen_meanwhile(own_server, own_alias):
+    holder = distlock.acquire("frozen-wait", ttl=30, using=own_alias)
+    timer = threading.Timer(0.3, own_server.pause)
+    timer.start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(distlock.BackendUnavailable):
+            distlock.acquire("frozen-wait", ttl=10, timeout=2, using=own_alias)
+        assert time.monotonic() - started < 2 + 0.5
+    finally:
+        timer.join()
+        own_server.resume()
+    holder.release()
+
+
+def test_a_grant_that_answers_after_its_ttl_is_dropped_not_returned(own_server, own_alias, own_client):
+    distlock.acquire("late", ttl=1, using=own_alias).release()  # a pooled connection exists
+    own_client.config_resetstat()
+    own_server.pause()
+    timer = threading.Timer(0.6, own_server.resume)
+    timer.start()
+    try:
+        # The request reaches a frozen server; its grant comes back after the 0.3 s ttl ran out, when
+        # the server may already have handed the lock on. It must not come back as a valid lease.
+        lease = distlock.acquire("late", ttl=0.3, timeout=5, using=own_alias)
+    finally:
+        timer.join()
+    assert not lease.lost and lease.remaining() > 0.1
+    stats = own_client.info("commandstats")["cmdstat_evalsha"]["calls"]
+    assert stats >= 3, "expected the late grant to be released and the lock taken again"
+    lease.release()
+
+
+def test_server_errors_that_make_it_unusable_are_backend_unavailable(own_alias, own_client):
+    own_client.config_set("maxmemory", "1")  # every write is refused with OOM
+    try:
+        with pytest.raises(distlock.BackendUnavailable, match="OOM"):
+            distlock.acquire("oom", ttl=10, blocking=False, using=own_alias)
+    finally:
+        own_client.config_set("maxmemory", "0")
+
+
+def test_a_foreign_key_under_the_prefix_is_a_clear_runtime_error(own_alias, own_client):
+    own_client.hset(f"{PREFIX}:lock:foreign", "field", "value")
+    with pytest.raises(RuntimeError, match="KEY_PREFIX"):
+        distlock.acquire("foreign", ttl=10, blocking=False, using=own_alias)
+
+
+# -- options --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({}, "exactly one of 'URL'"),
+    ({"URL": "redis://127.0.0.1:1/0", "CACHE": "redis"}, "exactly one of 'URL'"),
+    ({"URL": "http://127.0.0.1:1/"}, r"\['URL'\] must be a redis://"),
+    ({"URL": "redis://127.0.0.1:1/0", "SOCKET_TIMEOUT": 0}, r"\['SOCKET_TIMEOUT'\] must be a finite"),
+    ({"URL": "redis://127.0.0.1:1/0", "SOCKET_CONNECT_TIMEOUT": "2"}, r"\['SOCKET_CONNECT_TIMEOUT'\] must be"),
+    ({"URL": "redis://127.0.0.1:1/0", "KEY_PREFIX": ""}, r"\['KEY_PREFIX'\] must not be empty"),
+    ({"CACHE": "nope"}, "cache 'nope', which is not in settings.CACHES"),
+    ({"CACHE": "default", "SOCKET_TIMEOUT": 1}, r"CACHES\['default'\]\['OPTIONS'\]\['SOCKET_TIMEOUT'\]"),
+])
+def test_bad_options_name_the_alias_and_option(options, message):
+    with pytest.raises(ImproperlyConfigured, match=message) as excinfo:
+        RedisBackend("mine", options)
+    assert "DISTLOCK['mine']" in str(excinfo.value)
+
+
+def test_options_are_checked_without_io(settings):
+    settings.DISTLOCK = {**settings.DISTLOCK, "nowhere": {
+        "BACKEND": "distlock.backends.redis.RedisBackend", "OPTIONS": {"URL": "redis://127.0.0.1:1/0"}},
+        "bad": {"BACKEND": "distlock.backends.redis.RedisBackend", "OPTIONS": {"URL": "redis://x", "CACHE": "y"}}}
+    errors = [error for error in check_distlock_setting() if "'bad'" in error.msg or "'nowhere'" in error.msg]
+    assert [(error.id, "DISTLOCK['bad']" in error.msg) for error in errors] == [("distlock.E004", True)]
+    RedisBackend("nowhere", {"URL": "redis://127.0.0.1:1/0"})  # building the backend connects to nothing
+
+
+def test_cache_that_is_not_django_redis_is_refused_on_first_use(settings):
+    backend = RedisBackend("locmem-cache", {"CACHE": "default"})  # CACHES['default'] is LocMemCache
+    with pytest.raises(ImproperlyConfigured, match="not a django-redis cache"):
+        backend.ping()

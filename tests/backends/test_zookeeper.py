@@ -1,0 +1,504 @@
+"""What only the ZooKeeper backend promises: znode layout, sessions, read/write locks, no herd, no litter."""
+
+import json
+import threading
+import time
+
+import pytest
+from django.conf import settings as django_settings
+from django.core.exceptions import ImproperlyConfigured
+from kazoo.client import KazooClient, KazooState
+from kazoo.exceptions import NoNodeError
+
+import distlock
+from distlock.backends.zookeeper import (
+    NodeGone,
+    ZooKeeperBackend,
+    _ExpiryTimer,
+    blocker_of,
+    decode_name,
+    encode_name,
+    holders_of,
+)
+from distlock.handler import locks
+from distlock.signals import lock_lost
+from tests.conftest import require_alias
+from tests.faults.proxy import FaultProxy
+from tests.servers.zookeeper import ZooKeeperEnsemble, four_letter_word
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+ALIAS = "zookeeper"
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout}s")
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def alias():
+    return require_alias(ALIAS)
+
+
+@pytest.fixture
+def options(alias):
+    return django_settings.DISTLOCK[alias]["OPTIONS"]
+
+
+@pytest.fixture
+def zk(options):
+    """A plain kazoo client on the same ensemble, to look at the znodes the backend leaves."""
+    client = KazooClient(hosts=options["HOSTS"])
+    client.start(timeout=15)
+    yield client
+    client.stop()
+    client.close()
+
+
+@pytest.fixture
+def backends(alias, options):
+    """Make extra backends on the shared ensemble, each with its own session; closed afterwards."""
+    made = []
+
+    def make(**overrides):
+        backend = ZooKeeperBackend(alias, {**options, **overrides})
+        made.append(backend)
+        return backend
+
+    yield make
+    for backend in made:
+        backend.close()
+
+
+def our_nodes(zk, root, name):
+    """Return the nodes queued for lock ``name`` (None if its parent znode does not exist)."""
+    parent = f"{root}/{encode_name(name)}"
+    zk.sync(parent)  # our session may sit on a follower that has not applied the backend's writes yet
+    try:
+        return sorted(zk.get_children(parent))
+    except NoNodeError:
+        return None
+
+
+# -- pure logic -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["a/b/c", "..", ".", "with space", "naïve/ünïcödé", "日本語", "%2E", "zookeeper",
+                                  "x" * 255, "-read-0000000001", "100%"])
+def test_names_encode_to_one_valid_znode_name_and_back(name):
+    node = encode_name(name)
+    assert "/" not in node and node not in (".", "..")
+    assert set(node) <= set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-~%")
+    assert decode_name(node) == name
+
+
+def test_distinct_names_never_share_a_znode():
+    names = ["a.b", "a%2Eb", "a/b", "a%2Fb", "A.b", "a b", "a+b"]
+    assert len({encode_name(name) for name in names}) == len(names)
+
+
+def test_queue_rules():
+    w1, r2, r3, w4, r5 = "o1-write-0000000001", "o2-read-0000000002", "o3-read-0000000003", \
+        "o4-write-0000000004", "o5-read-0000000005"
+    children = [r5, w4, r3, r2, w1]
+    assert blocker_of(w1, children) is None
+    assert blocker_of(r2, children) == w1, "a reader waits for the nearest earlier writer"
+    assert blocker_of(r3, children) == w1
+    assert blocker_of(w4, children) == r3, "a writer waits for its immediate predecessor"
+    assert blocker_of(r5, children) == w4
+    assert holders_of(children) == [w1]
+    assert holders_of([r5, w4, r3, r2]) == [r2, r3]
+    assert holders_of([r3, r2, "not-ours"]) == [r2, r3]
+    with pytest.raises(NodeGone):
+        blocker_of(w1, [r2])
+
+
+def test_expiry_timer_follows_moves_and_cancellations():
+    fired = []
+    timer = _ExpiryTimer(fired.append, "test-expiry")
+    try:
+        now = time.monotonic()
+        timer.schedule("late", now + 0.3)
+        timer.schedule("moved", now + 60)
+        timer.schedule("cancelled", now + 0.1)
+        timer.cancel("cancelled")
+        assert timer.move("moved", now + 0.1) is True
+        wait_for(lambda: len(fired) == 2, 5, "both expiries")
+        assert fired == ["moved", "late"]
+        assert timer.move("late", now + 60) is False, "an expired entry cannot be extended"
+        for i in range(10_000):  # long ttls released early must not pile up in the heap
+            timer.schedule(f"short-lived-{i}", now + 3600)
+            timer.cancel(f"short-lived-{i}")
+        assert len(timer._heap) <= 1024 + 1
+    finally:
+        timer.stop()
+
+
+@pytest.mark.parametrize(("option", "value"), [
+    ("HOSTS", ""), ("HOSTS", "127.0.0.1:2181,,"), ("ROOT", "distlock"), ("ROOT", "/"), ("ROOT", "/a/"),
+    ("ROOT", "/a/../b"), ("ROOT", "/zookeeper/x"), ("SESSION_TIMEOUT", 0), ("CONNECTION_TIMEOUT", "5"),
+])
+def test_bad_options_are_refused_naming_the_option(option, value):
+    options = {"HOSTS": "127.0.0.1:2181", option: value}
+    with pytest.raises(ImproperlyConfigured, match=option):
+        ZooKeeperBackend.clean_options("zk", options)
+
+
+# -- znodes ---------------------------------------------------------------------------------------
+
+def test_token_is_the_holders_czxid_and_its_data_names_the_holder(alias, options, zk, lock_name):
+    with distlock.lock(lock_name, ttl=10, using=alias) as lease:
+        (node,) = our_nodes(zk, options["ROOT"], lock_name)
+        data, stat = zk.get(f"{options['ROOT']}/{encode_name(lock_name)}/{node}")
+        assert lease.token == stat.czxid
+        assert stat.ephemeralOwner != 0, "the lock znode must be ephemeral"
+        assert node.startswith(f"{lease.owner}-write-")
+        record = json.loads(data)
+        assert record["owner"] == lease.owner and record["pid"] > 0 and record["host"]
+    # The parent's delete is sent right behind the node's; release() waits only for the node's.
+    wait_for(lambda: our_nodes(zk, options["ROOT"], lock_name) is None, 5, "the parent znode being deleted")
+
+
+def test_first_in_the_listing_is_not_enough_for_the_czxid_to_be_the_token(backends, options, zk, lock_name):
+    """A predecessor granted and gone between our create and the listing behind it had a larger token.
+
+    The interleaving is forced: the listing is held back until our node exists, and meanwhile the
+    predecessor (another session) re-stamps its node, as a granted waiter does, and leaves.
+    """
+    parent = f"{options['ROOT']}/{encode_name(lock_name)}"
+    predecessor = zk.create(f"{parent}/other-write-", b"", ephemeral=True, sequence=True, makepath=True)
+    backend = backends()
+    client = backend._session(time.monotonic() + 15)
+    list_children = client.get_children_async
+    predecessor_token = []
+
+    def list_after_the_predecessor_left(path, *args, **kwargs):
+        if path == parent and not predecessor_token:
+            wait_for(lambda: len(our_nodes(zk, options["ROOT"], lock_name)) == 2, 5, "our node being created")
+            predecessor_token.append(zk.set(predecessor, b"granted").mzxid)
+            zk.delete(predecessor)
+        return list_children(path, *args, **kwargs)
+
+    client.get_children_async = list_after_the_predecessor_left
+    try:
+        lease = backend.acquire(lock_name, ttl=10, timeout=10, blocking=True)
+    finally:
+        del client.get_children_async
+    assert predecessor_token, "the listing behind the create was not intercepted"
+    assert lease.token > predecessor_token[0]
+    lease.release()
+
+
+def test_no_litter_after_a_thousand_cycles_on_distinct_names(alias, options, zk, lock_name):
+    root = options["ROOT"]
+    before = set(zk.get_children(root)) if zk.exists(root) else set()
+    for i in range(1000):
+        with distlock.lock(f"{lock_name}:{i}", ttl=10, using=alias):
+            pass
+
+    def litter():
+        zk.sync(root)
+        return set(zk.get_children(root)) - before
+
+    wait_for(lambda: not litter(), 5, "the last parent delete")
+    assert litter() == set()
+
+
+def test_misses_timeouts_and_expiry_leave_no_litter(alias, options, zk, lock_name):
+    holder = distlock.acquire(lock_name, ttl=1, using=alias)
+    with pytest.raises(distlock.LockNotAcquired):
+        distlock.acquire(lock_name, blocking=False, using=alias)
+    with pytest.raises(distlock.LockNotAcquired):
+        distlock.acquire(lock_name, timeout=0.3, using=alias)
+    # Only the holder's node remains (the two contenders' deletes are sent without waiting).
+    wait_for(lambda: len(our_nodes(zk, options["ROOT"], lock_name)) == 1, 5, "the contenders' nodes going")
+    assert our_nodes(zk, options["ROOT"], lock_name)[0].startswith(holder.owner)
+    # Nobody releases: the ttl runs out and this process deletes the node and its parent.
+    wait_for(lambda: our_nodes(zk, options["ROOT"], lock_name) is None, 5, "deletion at ttl expiry")
+    assert holder.lost and holder.release() is False
+
+
+def test_session_timeout_is_the_negotiated_one(backends, lock_name):
+    # The test ensemble has tickTime 250 ms: the server clamps session timeouts into [0.5 s, 5 s].
+    for asked, negotiated in [(60, 5.0), (0.1, 0.5), (2, 2.0)]:
+        lease = backends(SESSION_TIMEOUT=asked).acquire(lock_name, ttl=10, timeout=10, blocking=True)
+        assert lease.session_timeout == negotiated
+        lease.release()
+
+
+# -- read/write locks --------------------------------------------------------------------------------
+
+def test_readers_share_and_exclude_writers(alias, lock_name):
+    with distlock.read_lock(lock_name, ttl=10, using=alias) as first, \
+            distlock.read_lock(lock_name, ttl=10, timeout=0, using=alias) as second:
+        assert second.token > first.token
+        assert sorted(info.owner for info in locks[alias].held_locks(lock_name)) == sorted(
+            [first.owner, second.owner])
+        with pytest.raises(distlock.LockNotAcquired):
+            distlock.acquire(lock_name, mode="write", blocking=False, using=alias)
+        with pytest.raises(distlock.LockNotAcquired):
+            distlock.acquire(lock_name, blocking=False, using=alias)  # lock() is exclusive against readers
+    with distlock.write_lock(lock_name, ttl=10, timeout=0, using=alias):
+        with pytest.raises(distlock.LockNotAcquired):
+            distlock.acquire(lock_name, mode="read", blocking=False, using=alias)
+
+
+def test_writer_waits_for_readers_and_later_readers_wait_for_the_writer(alias, options, zk, lock_name):
+    readers = [distlock.acquire(lock_name, mode="read", ttl=30, using=alias) for _ in range(2)]
+    events = []
+
+    def writer():
+        with distlock.write_lock(lock_name, ttl=10, timeout=20, using=alias) as lease:
+            events.append(("writer in", time.monotonic(), lease.token))
+            time.sleep(0.3)
+            events.append(("writer out", time.monotonic(), lease.token))
+
+    def late_reader():
+        with distlock.read_lock(lock_name, ttl=10, timeout=20, using=alias) as lease:
+            events.append(("late reader in", time.monotonic(), lease.token))
+
+    writer_thread = threading.Thread(target=writer)
+    writer_thread.start()
+    wait_for(lambda: len(our_nodes(zk, options["ROOT"], lock_name)) == 3, 10, "the writer queueing")
+    reader_thread = threading.Thread(target=late_reader)
+    reader_thread.start()
+    wait_for(lambda: len(our_nodes(zk, options["ROOT"], lock_name)) == 4, 10, "the late reader queueing")
+    time.sleep(0.3)
+    assert events == [], "a writer must wait for earlier readers, a later reader for the earlier writer"
+    readers[0].release()
+    time.sleep(0.3)
+    assert events == [], "one reader still holds"
+    released_at = time.monotonic()
+    readers[1].release()
+    writer_thread.join(20)
+    reader_thread.join(20)
+    names = [event[0] for event in events]
+    assert names == ["writer in", "writer out", "late reader in"], "no writer starvation: readers queue behind it"
+    assert events[0][1] >= released_at
+    assert events[2][2] > events[0][2] > readers[1].token
+
+
+# -- no herd: one watcher per node ---------------------------------------------------------------------
+
+def watches_by_path(hosts):
+    """Return {znode path: number of sessions watching it}, summed over every member (``wchp``)."""
+    counts = {}
+    for address in hosts.split(","):
+        path = None
+        for line in four_letter_word(int(address.rsplit(":", 1)[1]), "wchp").splitlines():
+            if line.startswith("/"):
+                path = line.strip()
+            elif line.strip().startswith("0x") and path:
+                counts[path] = counts.get(path, 0) + 1
+    return counts
+
+
+def test_each_waiter_watches_only_its_predecessor(backends, options, zk, lock_name):
+    parent = f"{options['ROOT']}/{encode_name(lock_name)}"
+    holder_backend, *waiter_backends = [backends() for _ in range(5)]
+    holder = holder_backend.acquire(lock_name, ttl=60, timeout=10, blocking=True)
+    order, threads = [], []
+
+    def wait_in_line(backend):
+        lease = backend.acquire(lock_name, ttl=30, timeout=60, blocking=True)
+        order.append(lease)
+        time.sleep(0.05)
+        lease.release()
+
+    for backend in waiter_backends:
+        threads.append(threading.Thread(target=wait_in_line, args=(backend,)))
+        threads[-1].start()
+        wait_for(lambda: len(our_nodes(zk, options["ROOT"], lock_name)) == len(threads) + 1, 10, "a waiter queueing")
+    nodes = sorted(our_nodes(zk, options["ROOT"], lock_name), key=lambda node: node.rsplit("-", 1)[1])
+    czxids = [zk.exists(f"{parent}/{node}").czxid for node in nodes]
+    assert czxids[0] == holder.token
+
+    def one_watcher_each():
+        watches = {path: count for path, count in watches_by_path(options["HOSTS"]).items()
+                   if path.startswith(parent + "/")}
+        return watches == {f"{parent}/{node}": 1 for node in nodes[:-1]}
+
+    wait_for(one_watcher_each, 10, "one session watching each node but the last")
+    holder.release()
+    for thread in threads:
+        thread.join(30)
+    assert [lease.owner for lease in order] == [node.split("-", 1)[0] for node in nodes[1:]], "FIFO hand-off"
+    tokens = [lease.token for lease in order]
+    assert all(token > czxid for token, czxid in zip(tokens, czxids[1:])), "a waiter is re-stamped at its grant"
+    assert tokens == sorted(tokens) and tokens[0] > czxids[-1], "grant order, after every queued node's czxid"
+    assert [lease.attempts for lease in order] == [2] * 4, "each waiter looked once, and once more when woken"
+
+
+# -- sessions ---------------------------------------------------------------------------------------
+
+def expire_session(hosts, client):
+    """Make the server expire ``client``'s session: a second client with its id and password closes it (kazoo's trick)."""
+    session_id, password = client.client_id
+    intruder = KazooClient(hosts=hosts, client_id=(session_id, password))
+    intruder.start(timeout=15)
+    intruder.stop()
+    intruder.close()
+
+
+@pytest.fixture
+def lost_leases():
+    lost = []
+
+    def receiver(**kwargs):
+        lost.append((kwargs["lease"], kwargs["reason"]))
+
+    lock_lost.connect(receiver)
+    yield lost
+    lock_lost.disconnect(receiver)
+
+
+def test_session_expiry_marks_the_lease_lost_and_frees_the_lock(backends, options, lost_leases, lock_name):
+    backend, other = backends(), backends()
+    lease = backend.acquire(lock_name, ttl=60, timeout=10, blocking=True)
+    lease.check()
+    expire_session(options["HOSTS"], backend._client)
+    wait_for(lambda: lease.lost, 15, "the lease being marked lost")
+    with pytest.raises(distlock.LockLost, match="session expired"):
+        lease.check()
+    assert [(lost, "session expired" in reason) for lost, reason in lost_leases] == [(lease, True)]
+    successor = other.acquire(lock_name, ttl=10, timeout=10, blocking=True)
+    assert successor.token > lease.token
+    assert lease.release() is False, "releasing the lost lease must not touch the successor's lock"
+    successor.release()
+    # kazoo opened a new session: the backend keeps working.
+    again = backend.acquire(lock_name, ttl=10, timeout=10, blocking=True)
+    assert again.token > successor.token
+    again.release()
+
+
+def test_waiter_whose_session_expires_queues_again_and_gets_the_lock(backends, options, zk, lock_name):
+    holder_backend, waiter_backend = backends(), backends()
+    holder = holder_backend.acquire(lock_name, ttl=60, timeout=10, blocking=True)
+    got = []
+    thread = threading.Thread(target=lambda: got.append(
+        waiter_backend.acquire(lock_name, ttl=10, timeout=30, blocking=True)))
+    thread.start()
+    wait_for(lambda: len(our_nodes(zk, options["ROOT"], lock_name)) == 2, 10, "the waiter queueing")
+    (first_node,) = [node for node in our_nodes(zk, options["ROOT"], lock_name) if not node.startswith(holder.owner)]
+    expire_session(options["HOSTS"], waiter_backend._client)
+    # Its node went with the session; it queues again, behind the holder, under a new session.
+    wait_for(lambda: (nodes := our_nodes(zk, options["ROOT"], lock_name)) and len(nodes) == 2
+             and first_node not in nodes, 15, "the waiter queueing again")
+    assert got == []
+    holder.release()
+    thread.join(30)
+    (lease,) = got
+    assert lease.token > holder.token and not lease.lost
+    lease.release()
+
+
+@pytest.fixture
+def proxied(options):
+    """One ensemble member behind a fault proxy: the backend connects only through it."""
+    port = int(options["HOSTS"].split(",")[0].rsplit(":", 1)[1])
+    with FaultProxy(port) as proxy:
+        yield proxy
+
+
+def test_suspended_lease_is_valid_again_after_reconnecting(backends, proxied, lock_name):
+    backend = backends(HOSTS=f"127.0.0.1:{proxied.port}", SESSION_TIMEOUT=5)
+    lease = backend.acquire(lock_name, ttl=60, timeout=10, blocking=True)
+    proxied.blackhole()
+    proxied.cut()  # the connection drops at once; reconnection attempts hang in the black hole
+    wait_for(lambda: lease.suspended, 5, "SUSPENDED")
+    with pytest.raises(distlock.LockSuspended):
+        lease.check()
+    assert not isinstance(distlock.LockSuspended("x"), distlock.LockLost)
+    proxied.heal()
+    proxied.cut()  # drop the half-open attempt so kazoo reconnects now, within the session
+    wait_for(lambda: not lease.suspended, 5, "reconnection")
+    lease.check()
+    assert not lease.lost
+    assert lease.release() is True
+
+
+def test_suspended_past_the_session_timeout_means_lost(backends, proxied, lost_leases, lock_name):
+    backend = backends(HOSTS=f"127.0.0.1:{proxied.port}", SESSION_TIMEOUT=1)
+    other = backends()
+    lease = backend.acquire(lock_name, ttl=60, timeout=10, blocking=True)
+    assert lease.session_timeout == 1.0
+    proxied.blackhole()
+    proxied.cut()
+    wait_for(lambda: lease.lost, 5, "the lease being marked lost while unreachable")
+    assert [lost for lost, _ in lost_leases] == [lease]
+    with pytest.raises(distlock.LockLost, match="session timeout"):
+        lease.check()
+    # The server expired the session too: another client gets the lock with a larger token.
+    successor = other.acquire(lock_name, ttl=10, timeout=10, blocking=True)
+    assert successor.token > lease.token
+    successor.release()
+    # Requests on the unreachable client fail within the caller's timeout instead of hanging.
+    started = time.monotonic()
+    with pytest.raises(distlock.BackendUnavailable):
+        backend.acquire(lock_name, ttl=10, timeout=1, blocking=True)
+    assert time.monotonic() - started < 3
+
+
+def test_connection_moves_to_another_member_when_its_member_dies(tmp_path, lock_name):
+    """Destructive, so on a private ensemble: the member a holder is connected to is killed."""
+    with ZooKeeperEnsemble(tmp_path / "zk") as ensemble:
+        backend = ZooKeeperBackend("private", {"HOSTS": ensemble.hosts, "SESSION_TIMEOUT": 5})
+        try:
+            lease = backend.acquire(lock_name, ttl=60, timeout=15, blocking=True)
+            session_id = backend._client.client_id[0]
+            (member,) = [m for m in ensemble.members if f"sid=0x{session_id:x}" in m.command_reply("cons")]
+            states = []
+            backend._client.add_listener(states.append)  # after the backend's own listener
+            member.kill()
+            # Kill, SUSPENDED and reconnection can all happen within milliseconds: record, don't poll.
+            wait_for(lambda: states[-1:] == [KazooState.CONNECTED], 30, "reconnection to another member")
+            assert KazooState.SUSPENDED in states
+            wait_for(lambda: not lease.suspended, 15, "the lease being valid again")
+            lease.check()
+            assert backend._client.client_id[0] == session_id, "same session"
+            with pytest.raises(distlock.LockNotAcquired):
+                backend.acquire(lock_name, ttl=5, timeout=0, blocking=False)
+            assert lease.release() is True
+        finally:
+            backend.close()
+
+
+def test_a_create_given_up_on_is_deleted_when_its_reply_comes_late(backends, proxied, options, zk, lock_name):
+    backend = backends(HOSTS=f"127.0.0.1:{proxied.port}", SESSION_TIMEOUT=5)
+    backend.acquire(f"{lock_name}:warm-up", ttl=10, timeout=10, blocking=True).release()
+    proxied.delay(1.0)  # each way: the create reaches the server after 1 s, its reply comes back after 2 s
+    started = time.monotonic()
+    with pytest.raises(distlock.BackendUnavailable, match="did not answer in time"):
+        backend.acquire(lock_name, ttl=30, timeout=0.2, blocking=True)
+    assert time.monotonic() - started < 0.2 + 1.0 + 1.0, "the caller's timeout plus the 1 s request grace"
+    proxied.heal()
+    # The node was created on the server after all; when the late reply arrives it is deleted.
+    wait_for(lambda: our_nodes(zk, options["ROOT"], lock_name) is None, 15, "the late node being deleted")
+    lease = backends().acquire(lock_name, ttl=10, timeout=0, blocking=False)
+    lease.release()
+
+
+def test_extending_with_a_shorter_ttl_frees_the_lock_sooner(alias, options, zk, lock_name):
+    lease = distlock.acquire(lock_name, ttl=60, using=alias)
+    assert lease.extend(0.5) is True
+    wait_for(lambda: our_nodes(zk, options["ROOT"], lock_name) is None, 5, "deletion at the shortened ttl")
+    assert lease.lost
+    successor = distlock.acquire(lock_name, ttl=10, blocking=False, using=alias)
+    assert successor.token > lease.token
+    successor.release()
+
+
+def test_a_grant_that_arrives_after_its_ttl_is_never_handed_out(backends, proxied, options, zk, lock_name):
+    backend = backends(HOSTS=f"127.0.0.1:{proxied.port}", SESSION_TIMEOUT=5)
+    backend.acquire(f"{lock_name}:warm-up", ttl=10, timeout=10, blocking=True).release()
+    proxied.delay(0.3)  # each way: every reply comes 0.6 s after its request, later than a 0.4 s ttl
+    with pytest.raises(distlock.LockNotAcquired, match="after the ttl of 0.4s had run out"):
+        backend.acquire(lock_name, ttl=0.4, timeout=0, blocking=False)
+    lease = backend.acquire(lock_name, ttl=5, timeout=10, blocking=True)
+    assert 0 < lease.remaining() < 5 - 0.6, "validity counts from before the request that got the grant"
+    assert lease.release() is True
+    proxied.heal()
+    wait_for(lambda: our_nodes(zk, options["ROOT"], lock_name) is None, 10, "every node given back")

@@ -1,0 +1,61 @@
+"""Fixtures shared by the whole suite: the backend aliases under test and unique lock names."""
+
+import os
+import uuid
+
+import pytest
+from django.conf import settings
+
+from distlock.handler import locks
+
+#: Every alias the contract suite runs on -> the server kind ``python -m tests.servers`` starts for it
+#: (None: needs no server).
+BACKEND_ALIASES = {
+    "locmem": None,
+    "default": None,  # the database backend on SQLite
+    "postgres": "postgres",
+    "redis": "redis",
+    "redis_cache": "redis",
+    "redlock": "redlock",
+    "zookeeper": "zookeeper",
+    "etcd": "etcd",
+}
+
+#: Aliases whose locks other processes can see (locmem is per process).
+SHARED_ALIASES = [alias for alias in BACKEND_ALIASES if alias != "locmem"]
+
+
+def require_alias(alias):
+    """Skip the test if ``alias`` is not configured, or fail it when ``make test`` started its server."""
+    if alias in settings.DISTLOCK:
+        return alias
+    kind = BACKEND_ALIASES.get(alias)
+    required = os.environ.get("DISTLOCK_TEST_REQUIRE", "").split(",")
+    if kind in required:
+        pytest.fail(f"alias {alias!r} is missing although its server {kind!r} was started")
+    pytest.skip(f"alias {alias!r} needs a {kind} server; run the suite with `make test`")
+    return None
+
+
+@pytest.fixture(params=list(BACKEND_ALIASES))
+def backend_alias(request):
+    """Each backend alias in turn, with access to every test database."""
+    return require_alias(request.param)
+
+
+@pytest.fixture(params=SHARED_ALIASES)
+def shared_alias(request):
+    """Each alias whose locks exclude other processes."""
+    return require_alias(request.param)
+
+
+@pytest.fixture
+def lock_name():
+    """A lock name no other test uses, so tests sharing a server never meet."""
+    return f"test:{uuid.uuid4().hex}"
+
+
+@pytest.fixture(autouse=True)
+def _close_backends_after_test():
+    yield
+    locks.close_all()

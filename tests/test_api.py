@@ -1,0 +1,126 @@
+"""The public API's arguments, the alias handler and the renewal thread, on the in-process backend."""
+
+import threading
+import time
+
+import pytest
+
+import distlock
+from distlock.handler import LockHandler, locks
+from distlock.renewal import Renewer
+
+ALIAS = "locmem"
+
+
+def test_locks_returns_one_backend_per_alias_and_is_thread_safe():
+    handler = LockHandler()
+    seen = []
+    threads = [threading.Thread(target=lambda: seen.append(handler[ALIAS])) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len({id(backend) for backend in seen}) == 1
+
+
+def test_unknown_alias_is_an_improperly_configured():
+    from django.core.exceptions import ImproperlyConfigured  # noqa: PLC0415
+
+    with pytest.raises(ImproperlyConfigured, match="'missing' doesn't exist"):
+        LockHandler()["missing"]
+
+
+def test_settings_change_rebuilds_backends(settings):
+    before = locks[ALIAS]
+    settings.DISTLOCK = {**settings.DISTLOCK, ALIAS: {"BACKEND": "distlock.backends.locmem.LocMemBackend",
+                                                      "OPTIONS": {"DEFAULT_TTL": 7}}}
+    after = locks[ALIAS]
+    assert after is not before and after.settings["DEFAULT_TTL"] == 7
+    with distlock.lock("defaults", using=ALIAS) as lease:
+        assert lease.ttl == 7
+
+
+def test_timeout_zero_means_one_try():
+    with distlock.lock("t0", ttl=5, using=ALIAS):
+        started = time.monotonic()
+        with pytest.raises(distlock.LockNotAcquired, match="non-blocking"):
+            distlock.acquire("t0", timeout=0, using=ALIAS)
+        assert time.monotonic() - started < 0.1
+
+
+def test_max_hold_without_auto_renew_caps_the_ttl():
+    with distlock.lock("cap", ttl=30, max_hold=2, using=ALIAS) as lease:
+        assert lease.ttl == 2
+
+
+def test_option_defaults_apply_per_alias(settings):
+    settings.DISTLOCK = {**settings.DISTLOCK, ALIAS: {"BACKEND": "distlock.backends.locmem.LocMemBackend",
+                                                      "OPTIONS": {"AUTO_RENEW": True, "DEFAULT_TTL": 0.6}}}
+    with distlock.lock("renewed-by-default", using=ALIAS) as lease:
+        time.sleep(1.5)
+        lease.check()
+
+
+def test_read_write_locks_name_the_backend_that_lacks_them():
+    with pytest.raises(NotImplementedError, match="LocMemBackend"):
+        with distlock.read_lock("rw", using=ALIAS):
+            pass
+    with pytest.raises(NotImplementedError, match="LocMemBackend"):
+        with distlock.write_lock("rw", using=ALIAS):
+            pass
+
+
+def test_decorator_acquires_per_call_and_validates_at_decoration():
+    with pytest.raises(ValueError, match="empty"):
+        distlock.lock("", using=ALIAS)
+    calls = []
+
+    @distlock.lock("per-call", ttl=5, using=ALIAS)
+    def work(x):
+        calls.append(distlock.locks[ALIAS].held_locks("per-call")[0].token)
+        return x * 2
+
+    assert work(2) == 4 and work(3) == 6
+    assert calls[1] > calls[0]
+
+
+def test_validity_ignores_the_wall_clock(monkeypatch):
+    with distlock.lock("wall", ttl=5, using=ALIAS) as lease:
+        monkeypatch.setattr(time, "time", lambda: 0.0)
+        assert 4 < lease.remaining() <= 5
+        lease.check()
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_renewer_releases_and_marks_lost_at_max_hold():
+    lease = distlock.acquire("watchdog", ttl=0.9, using=ALIAS)
+    renewer = Renewer(lease, max_hold=0.5)
+    assert renewer._next_wait() <= 0.5
+    lease._renewer = renewer
+    renewer.start()
+    time.sleep(0.8)
+    assert lease.lost
+    with pytest.raises(distlock.LockLost, match="max_hold"):
+        lease.check()
+    assert distlock.locks[ALIAS].held_locks("watchdog") == []
+
+
+def test_renewer_never_extends_past_max_hold():
+    clock = FakeClock()
+    lease = distlock.acquire("capped", ttl=3, using=ALIAS)
+    renewer = Renewer(lease, max_hold=4, clock=clock)
+    renewer._hold_deadline = 4.0
+    clock.now = 3.5
+    assert renewer._next_wait() == pytest.approx(0.5)
+    extended = []
+    lease.extend = lambda ttl: extended.append(ttl) or True
+    renewer._renew(lease)
+    assert extended == [pytest.approx(0.5)]
+    lease.release()

@@ -1,0 +1,66 @@
+"""System checks report every misconfigured alias with its option, and do no network I/O."""
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import SystemCheckError
+
+from distlock.checks import check_distlock_setting
+
+
+def ids(errors):
+    return [error.id for error in errors]
+
+
+def test_the_test_settings_pass(settings):
+    assert check_distlock_setting() == []
+
+
+def test_no_setting_means_the_database_backend(settings):
+    del settings.DISTLOCK
+    assert check_distlock_setting() == []
+    from distlock.handler import locks  # noqa: PLC0415
+
+    assert type(locks["default"]).__name__ == "DatabaseBackend"
+
+
+@pytest.mark.parametrize(("config", "expected_id", "words"), [
+    ("not a dict", "distlock.E001", "must be a dict"),
+    ({"other": {"BACKEND": "distlock.backends.locmem.LocMemBackend"}}, "distlock.E001", "'default'"),
+    ({"default": "distlock.backends.locmem.LocMemBackend"}, "distlock.E002", "BACKEND"),
+    ({"default": {"BACKEND": "distlock.backends.locmem.LocMemBackend", "OPTION": {}}}, "distlock.E002", "OPTION"),
+    ({"default": {"BACKEND": "distlock.backends.nope.NopeBackend"}}, "distlock.E003", "could not be imported"),
+    ({"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}, "distlock.E003",
+     "not a lock backend"),
+    ({"default": {"BACKEND": "distlock.backends.locmem.LocMemBackend", "OPTIONS": {"DEFAULT_TTL": -1}}},
+     "distlock.E004", "DEFAULT_TTL"),
+    ({"default": {"BACKEND": "distlock.backends.locmem.LocMemBackend", "OPTIONS": {"DEFAULT_TTL": "30"}}},
+     "distlock.E004", "DEFAULT_TTL"),
+    ({"default": {"BACKEND": "distlock.backends.locmem.LocMemBackend", "OPTIONS": {"AUTO_RENEW": "yes"}}},
+     "distlock.E004", "AUTO_RENEW"),
+    ({"default": {"BACKEND": "distlock.backends.locmem.LocMemBackend", "OPTIONS": {"TTL": 3}}},
+     "distlock.E004", "unknown option"),
+    ({"default": {"BACKEND": "distlock.backends.locmem.LocMemBackend", "OPTIONS": []}}, "distlock.E004",
+     "must be a dict"),
+])
+def test_misconfiguration_is_reported_with_alias_and_option(settings, config, expected_id, words):
+    settings.DISTLOCK = config
+    errors = check_distlock_setting()
+    assert expected_id in ids(errors)
+    assert any(words in error.msg for error in errors)
+
+
+def test_every_alias_at_fault_is_reported(settings):
+    settings.DISTLOCK = {
+        "default": {"BACKEND": "distlock.backends.locmem.LocMemBackend"},
+        "a": {"BACKEND": "distlock.backends.locmem.LocMemBackend", "OPTIONS": {"MAX_HOLD": 0}},
+        "b": {"BACKEND": "distlock.backends.missing.Backend"},
+    }
+    errors = check_distlock_setting()
+    assert sorted(ids(errors)) == ["distlock.E003", "distlock.E004"]
+    assert any("DISTLOCK['a']" in error.msg for error in errors)
+
+
+def test_manage_py_check_fails_on_errors(settings):
+    settings.DISTLOCK = {"default": {"BACKEND": "distlock.backends.nope.NopeBackend"}}
+    with pytest.raises(SystemCheckError, match="distlock.E003"):
+        call_command("check")

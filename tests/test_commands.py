@@ -1,0 +1,181 @@
+"""``manage.py distlock list|release|check|stats`` on real backends, in-process and as a real command line."""
+
+import json
+import subprocess
+import sys
+import uuid
+from datetime import datetime
+from io import StringIO
+
+import pytest
+from django.core.management import CommandError, call_command
+
+import distlock
+from distlock.metrics import Recorder
+from tests.servers import free_port
+from tests.test_metrics import acquire_n
+from tests.workers import ROOT, child_env, read_events, spawn
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+JSON_FIELDS = {"alias", "name", "owner", "token", "acquired_at", "expires_at", "host", "pid"}
+
+
+def run(*args):
+    """Run the command in this process; return its stdout and stderr."""
+    out, err = StringIO(), StringIO()
+    call_command("distlock", *args, stdout=out, stderr=err)
+    return out.getvalue(), err.getvalue()
+
+
+def manage(*args):
+    """Run ``python -m django distlock ...`` as operators do; return the finished process."""
+    return subprocess.run([sys.executable, "-m", "django", "distlock", *args], capture_output=True, text=True,
+                          env=child_env(), cwd=ROOT, timeout=120)
+
+
+@pytest.fixture
+def down_alias(settings):
+    settings.DISTLOCK = {**settings.DISTLOCK, "down": {
+        "BACKEND": "distlock.backends.redis.RedisBackend",
+        "OPTIONS": {"URL": f"redis://127.0.0.1:{free_port()}/0", "SOCKET_CONNECT_TIMEOUT": 2}}}
+    return "down"
+
+
+# -- list -----------------------------------------------------------------------------------------
+
+
+def test_list_json_has_exactly_the_documented_fields(backend_alias, lock_name):
+    with distlock.lock(lock_name, ttl=30, using=backend_alias) as lease:
+        out, _ = run("list", "--using", backend_alias, "--json")
+    [found] = [item for item in json.loads(out) if item["name"] == lock_name]
+    assert set(found) == JSON_FIELDS
+    assert found["alias"] == backend_alias and found["owner"] == lease.owner and found["token"] == lease.token
+    assert isinstance(found["pid"], int) and found["host"]
+    assert datetime.fromisoformat(found["acquired_at"]).tzinfo is not None
+    assert found["expires_at"] is None or datetime.fromisoformat(found["expires_at"]) > lease.acquired_at
+
+
+def test_list_shows_a_lock_held_by_another_process(shared_alias, lock_name):
+    holder = spawn("hold", alias=shared_alias, name=lock_name, ttl=30)
+    try:
+        held = json.loads(holder.stdout.readline())
+        result = manage("list", "--using", shared_alias, "--json")
+        assert result.returncode == 0, result.stderr
+        [found] = [item for item in json.loads(result.stdout) if item["name"] == lock_name]
+        assert found["owner"] == held["owner"] and found["pid"] == held["pid"] and found["token"] == held["token"]
+    finally:
+        holder.kill()
+        holder.communicate()
+
+
+def test_list_text_and_an_unreachable_alias(down_alias, lock_name):
+    with distlock.lock(lock_name, using="locmem"):
+        with pytest.raises(CommandError, match="could not be read: down"):
+            run("list")
+        out, _ = run("list", "--using", "locmem")
+    assert lock_name in out and "token=" in out
+
+
+def test_an_unknown_alias_is_named():
+    with pytest.raises(CommandError, match="no alias 'nowhere'.*'locmem'"):
+        run("list", "--using", "nowhere")
+
+
+# -- release ----------------------------------------------------------------------------------------
+
+
+def test_release_without_force_releases_nothing_and_says_why(lock_name):
+    with distlock.lock(lock_name, ttl=30, using="locmem") as lease:
+        with pytest.raises(CommandError, match="without --force"):
+            run("release", lock_name, "--using", "locmem")
+        assert lease.extend()
+
+
+def test_release_without_force_exits_non_zero(shared_alias, lock_name):
+    holder = spawn("hold", alias=shared_alias, name=lock_name, ttl=30)
+    try:
+        holder.stdout.readline()
+        result = manage("release", lock_name, "--using", shared_alias)
+        assert result.returncode != 0 and "without --force" in result.stderr
+        listed = manage("list", "--using", shared_alias, "--json")
+        assert lock_name in {item["name"] for item in json.loads(listed.stdout)}
+        result = manage("release", lock_name, "--using", shared_alias, "--force")
+        assert result.returncode == 0, result.stderr
+        assert f"Released lock {lock_name!r}" in result.stdout
+        listed = manage("list", "--using", shared_alias, "--json")
+        assert lock_name not in {item["name"] for item in json.loads(listed.stdout)}
+    finally:
+        holder.kill()
+        holder.communicate()
+
+
+def test_release_with_force(backend_alias, lock_name):
+    lease = distlock.acquire(lock_name, ttl=30, using=backend_alias)
+    out, _ = run("release", lock_name, "--using", backend_alias, "--force")
+    assert lease.owner in out and str(lease.token) in out
+    assert not lease.extend()
+    with pytest.raises(CommandError, match="not held"):
+        run("release", lock_name, "--using", backend_alias, "--force")
+
+
+def test_release_with_a_stale_owner_touches_nothing(lock_name):
+    first = distlock.acquire(lock_name, ttl=30, using="locmem")
+    first.release()
+    with distlock.lock(lock_name, ttl=30, using="locmem") as second:
+        with pytest.raises(CommandError, match="now held by owner"):
+            run("release", lock_name, "--using", "locmem", "--owner", first.owner, "--force")
+        assert second.extend()
+
+
+# -- check ------------------------------------------------------------------------------------------
+
+
+def test_check_reports_the_round_trip_of_each_backend(backend_alias):
+    out, _ = run("check", "--using", backend_alias)
+    assert out.startswith(f"{backend_alias}: ok ") and " ms (" in out
+
+
+def test_check_fails_when_a_backend_is_down(down_alias):
+    with pytest.raises(CommandError, match="1 backend\\(s\\) failed: down"):
+        run("check")
+
+
+def test_check_as_a_health_probe_exits_non_zero():
+    healthy = manage("check", "--using", "locmem")
+    assert healthy.returncode == 0 and "locmem: ok" in healthy.stdout
+    # A real command line, with an alias pointing at a closed port, as a probe would see it.
+    script = (
+        "import django, sys; from django.conf import settings; django.setup();"
+        f"settings.DISTLOCK['down'] = {{'BACKEND': 'distlock.backends.redis.RedisBackend', "
+        f"'OPTIONS': {{'URL': 'redis://127.0.0.1:{free_port()}/0', 'SOCKET_CONNECT_TIMEOUT': 2}}}};"
+        "from django.core.management import execute_from_command_line;"
+        "execute_from_command_line(['manage.py', 'distlock', 'check', '--using', 'down'])"
+    )
+    failing = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=child_env(),
+                             cwd=ROOT, timeout=120)
+    assert failing.returncode == 1 and "down: FAILED" in failing.stdout and "BackendUnavailable" in failing.stdout
+
+
+# -- stats ------------------------------------------------------------------------------------------
+
+
+def test_stats_shows_the_figures_of_every_process_with_alerts():
+    prefix = f"stats{uuid.uuid4().hex[:8]}"
+    recorder = Recorder()
+    acquire_n(recorder, "locmem", f"{prefix}:1", 10, result="timeout")  # 100% timeouts and contention
+    recorder.flush()
+    child = spawn("hammer", alias="locmem", name=f"{prefix}:2", count=5, ttl=10)  # another process, flushed at exit
+    read_events(child)
+    out, _ = run("stats", "--using", "locmem", "--json")
+    figures = json.loads(out)
+    [row] = [row for row in figures["recent"] if row["prefix"] == prefix]
+    assert row["attempts"] == 15 and row["acquired"] == 5 and row["timeouts"] == 10
+    assert row["alerts"] == ["contention_rate", "timeout_rate"]
+    assert [row["attempts"] for row in figures["since_start"] if row["prefix"] == prefix] == [15]
+    text, _ = run("stats", "--using", "locmem")
+    lines = [line for line in text.splitlines() if line.strip().startswith(f"{prefix}:*")]
+    assert len(lines) == 2, "one line in the recent window, one since start"
+    for line in lines:
+        assert "attempts=15" in line and "timeouts=66.7%!" in line and "contention=66.7%!" in line
+        assert "hold_p99/ttl=" in line and "hold_p99/ttl=—!" not in line
