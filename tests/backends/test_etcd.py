@@ -207,6 +207,30 @@ def test_no_lease_or_key_is_left_behind_after_100_cycles(configure, cluster, pre
     assert not {session_id, blocker.handle.session.id} & set(cluster.leases())
 
 
+def test_a_process_reuses_its_keys_of_a_lock_but_never_shares_one(configure, cluster, prefix, lock_name):
+    """etcd keeps deleted keys in its index until compaction and ACQUIRE's range compare visits them,
+    so a key per acquisition would slow a hot lock down the more it is used."""
+    (alias,) = configure(etcd_own={})
+    keys = set()
+    for _ in range(20):
+        with distlock.lock(lock_name, ttl=10, using=alias) as lease:
+            keys.add(lease.handle.key)
+    assert len(keys) == 1
+    # A lease whose ttl ran out (the background thread deleted its key) frees the key for the next
+    # call; its late release must neither delete that call's key nor let a third call share it.
+    expired = distlock.acquire(lock_name, ttl=0.5, using=alias)
+    wait_for(lambda: queue_length(cluster, prefix, lock_name) == 0, 5, "the expired key was not deleted")
+    current = distlock.acquire(lock_name, ttl=10, blocking=False, using=alias)
+    assert current.handle.key == expired.handle.key
+    assert expired.release() is False
+    with pytest.raises(distlock.LockNotAcquired):
+        distlock.acquire(lock_name, timeout=0.3, using=alias)
+    (info,) = locks[alias].held_locks(lock_name)
+    assert info.owner == current.owner and not current.lost
+    assert current.release() is True
+    assert cluster.keys(prefix.encode()) == []
+
+
 def test_the_stock_python_etcd3_lock_leaks_a_lease_per_acquire(cluster, lock_name):
     """The measuring stick of the leak test above: python3-etcd3's lock() does leak, and the lease list sees it."""
     import etcd3  # noqa: PLC0415
