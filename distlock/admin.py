@@ -101,12 +101,8 @@ def _chart(points, *, width=720, height=140):
             "threshold_y": round(height * (1 - report.CONTENTION_RATE), 1)}
 
 
-@admin.register(Lock)
-class HeldLocksAdmin(admin.ModelAdmin):
-    """The "Held locks" page; the model is only its anchor in the admin index and for permissions."""
-
-    change_list_template = "admin/distlock/held_locks.html"
-    force_release_template = "admin/distlock/force_release_confirmation.html"
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Nobody adds, edits or deletes these rows through the admin: operators act on locks, not on records."""
 
     def has_add_permission(self, request):
         return False
@@ -116,6 +112,14 @@ class HeldLocksAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request, obj=None):
         return False
+
+
+@admin.register(Lock)
+class HeldLocksAdmin(ReadOnlyAdmin):
+    """The "Held locks" page; the model is only its anchor in the admin index and for permissions."""
+
+    change_list_template = "admin/distlock/held_locks.html"
+    force_release_template = "admin/distlock/force_release_confirmation.html"
 
     def get_urls(self):
         # Only the page and the release view: the model's own add/change/delete views would show the
@@ -261,7 +265,7 @@ class HeldLocksAdmin(admin.ModelAdmin):
 
 
 @admin.register(FencingRejection)
-class FencingRejectionAdmin(admin.ModelAdmin):
+class FencingRejectionAdmin(ReadOnlyAdmin):
     """The log of refused fenced writes, read-only: it is evidence."""
 
     list_display = ("created_at", "model_label", "object_pk", "offered_token", "current_token", "lock_name",
@@ -270,11 +274,3 @@ class FencingRejectionAdmin(admin.ModelAdmin):
     search_fields = ("lock_name", "object_pk")
     date_hierarchy = "created_at"
 
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
