@@ -206,8 +206,32 @@ def _shut_down(fileno):
         pass  # already closed by its owner: nothing left to interrupt
 
 
-class _PostgreSQL:
+class _Dialect:
+    """One database's side of the protocol: its statements, run the same way by both databases."""
+
+    #: Release, extend and listing statements: set by each database below.
+    RELEASE = EXTEND = HELD = None
+
+    def release(self, cursor, params):
+        cursor.execute(self.RELEASE, params)
+        return cursor.fetchone()
+
+    def extend(self, cursor, params):
+        cursor.execute(self.EXTEND, params)
+        return cursor.fetchone()
+
+    def held(self, cursor, params):
+        cursor.execute(self.HELD, params)
+        return cursor.fetchall()
+
+    def close(self):
+        pass
+
+
+class _PostgreSQL(_Dialect):
     """The PostgreSQL side of the protocol: statements, connect timeout, the watchdog."""
+
+    RELEASE, EXTEND, HELD = PG_RELEASE, PG_EXTEND, PG_HELD
 
     def __init__(self):
         self.watchdog = _Watchdog()
@@ -231,21 +255,6 @@ class _PostgreSQL:
         return cursor.fetchone()
 
     @staticmethod
-    def release(cursor, params):
-        cursor.execute(PG_RELEASE, params)
-        return cursor.fetchone()
-
-    @staticmethod
-    def extend(cursor, params):
-        cursor.execute(PG_EXTEND, params)
-        return cursor.fetchone()
-
-    @staticmethod
-    def held(cursor, params):
-        cursor.execute(PG_HELD, params)
-        return cursor.fetchall()
-
-    @staticmethod
     def aware(value):
         return value  # psycopg returns timestamptz as aware datetimes
 
@@ -253,8 +262,10 @@ class _PostgreSQL:
         self.watchdog.stop()
 
 
-class _SQLite:
+class _SQLite(_Dialect):
     """The SQLite side of the protocol: statements, and the busy timeout as the bound."""
+
+    RELEASE, EXTEND, HELD = SQLITE_RELEASE, SQLITE_EXTEND, SQLITE_HELD
 
     @staticmethod
     def connect(wrapper, bound, configured_options):
@@ -281,26 +292,8 @@ class _SQLite:
         return row
 
     @staticmethod
-    def release(cursor, params):
-        cursor.execute(SQLITE_RELEASE, params)
-        return cursor.fetchone()
-
-    @staticmethod
-    def extend(cursor, params):
-        cursor.execute(SQLITE_EXTEND, params)
-        return cursor.fetchone()
-
-    @staticmethod
-    def held(cursor, params):
-        cursor.execute(SQLITE_HELD, params)
-        return cursor.fetchall()
-
-    @staticmethod
     def aware(value):
         return value.replace(tzinfo=timezone.utc)  # SQLite's clock is UTC; Django parses the text naive
-
-    def close(self):
-        pass
 
 
 DIALECTS = {"postgresql": _PostgreSQL, "sqlite": _SQLite}
