@@ -35,6 +35,8 @@ def test_no_setting_means_the_database_backend(settings):
      "distlock.E004", "DEFAULT_TTL"),
     ({"default": {"BACKEND": "distlock.backends.locmem.LocMemBackend", "OPTIONS": {"DEFAULT_TTL": "30"}}},
      "distlock.E004", "DEFAULT_TTL"),
+    ({"default": {"BACKEND": "distlock.backends.locmem.LocMemBackend", "OPTIONS": {"DEFAULT_TTL": 1e10}}},
+     "distlock.E004", "at most 1e+09"),
     ({"default": {"BACKEND": "distlock.backends.locmem.LocMemBackend", "OPTIONS": {"AUTO_RENEW": "yes"}}},
      "distlock.E004", "AUTO_RENEW"),
     ({"default": {"BACKEND": "distlock.backends.locmem.LocMemBackend", "OPTIONS": {"TTL": 3}}},

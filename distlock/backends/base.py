@@ -11,6 +11,7 @@ from django.core.exceptions import ImproperlyConfigured
 from distlock.exceptions import LockNotAcquired
 from distlock.holder import new_owner
 from distlock.lease import Lease
+from distlock.validation import MAX_SECONDS
 
 #: Capabilities a backend may declare in ``capabilities``:
 #: ``safe_fencing_tokens``: tokens never go backwards, so stores may trust them (``lease.token_is_safe``).
@@ -47,9 +48,9 @@ class Option:
 
 
 def positive_number(value):
-    """Return an error unless ``value`` is a finite number above zero."""
-    if not math.isfinite(value) or value <= 0:
-        return "must be a finite number of seconds above zero"
+    """Return an error unless ``value`` is a finite number of seconds above zero, at most ``MAX_SECONDS``."""
+    if not math.isfinite(value) or value <= 0 or value > MAX_SECONDS:
+        return f"must be a finite number of seconds above zero and at most {MAX_SECONDS:g}"
     return None
 
 
