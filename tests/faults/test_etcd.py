@@ -13,6 +13,8 @@ import pytest
 from distlock.conformance import scenarios
 from distlock.conformance.run import RECOVERY_SLACK
 from tests.faults.conftest import DATABASES
+from tests.faults.server_scenarios import (LOST_LEASE_OVERLAP, enter_new_lock, restart_during_contention,
+                                           write_stale_and_leave)
 from tests.faults.targets import SESSION_TIMEOUT, TARGETS
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=DATABASES)]
@@ -26,42 +28,23 @@ KEEPALIVE_INTERVAL = SESSION_TIMEOUT / 3
 def cluster(private_etcd):
     """The cluster, whole and healthy again after the test."""
     yield private_etcd
-    for member in private_etcd.members:
-        member.resume()
-        if not member.running:
-            member.start()
-    private_etcd.wait_healthy(60)
+    private_etcd.restore()
 
 
 def etcd_run(fault_run, cluster):
     return fault_run({"etcd": TARGETS["etcd"].entry(endpoints=cluster.endpoints)})
 
 
-def restart_during_contention(run, cluster, scale, *, member, scenario):
-    """Contend while ``member(cluster)`` is killed (SIGKILL) and restarted 3 s later."""
-    def kill_and_restart():
-        time.sleep(1.5)
-        victim = member(cluster)
-        victim.kill()
-        run.nemesis.record("fault", what="kill member", target=victim.name)
-        time.sleep(3)
-        victim.start()
-        run.nemesis.record("fault", what="restart member", target=victim.name)
-
-    return scenarios.contention(run, "etcd", clients=scale.clients // 2, iterations=scale.iterations,
-                                fault=kill_and_restart, scenario=scenario)
-
-
 def test_leader_killed_during_contention(cluster, fault_run, safety, scale):
     run = etcd_run(fault_run, cluster)
-    result = safety.record(restart_during_contention(run, cluster, scale, member=lambda c: c.leader(),
+    result = safety.record(restart_during_contention(run, "etcd", cluster, scale, member=lambda c: c.leader(),
                                                      scenario="etcd: leader killed during contention"))
     assert result.ok, result.violations
 
 
 def test_member_restarted_during_contention(cluster, fault_run, safety, scale):
     run = etcd_run(fault_run, cluster)
-    result = safety.record(restart_during_contention(run, cluster, scale, member=lambda c: c.followers()[0],
+    result = safety.record(restart_during_contention(run, "etcd", cluster, scale, member=lambda c: c.followers()[0],
                                                      scenario="etcd: member restarted during contention"))
     assert result.ok, result.violations
 
@@ -70,10 +53,7 @@ def test_cluster_paused_past_the_lease_ttl(cluster, fault_run, safety, scale):
     run = etcd_run(fault_run, cluster)
     holder, other = run.spawn("holder", "next-holder")
     for _ in range(scale.runs):
-        name, row = run.lock_name(), run.row()
-        held = holder.call("acquire", name=name, ttl=TTL, timeout=10)
-        holder.call("claim", name=name, row=row)
-        holder.call("enter", name=name)
+        name, row, held = enter_new_lock(run, holder, ttl=TTL, timeout=10)
         watching = holder.send("watch", name=name, seconds=SESSION_TIMEOUT + 6)
         time.sleep(0.2)
         paused = run.nemesis.record("fault", what="pause every member", owner=held["owner"], lock=name)
@@ -92,12 +72,9 @@ def test_cluster_paused_past_the_lease_ttl(cluster, fault_run, safety, scale):
         taken = other.result(waiting, wait=90)
         assert taken["token"] > held["token"]
         scenarios.take_turn(other, name, row)
-        assert holder.call("write", name=name, row=row, via="token")["outcome"] == "stale"
-        holder.call("exit", name=name)
-        holder.call("release", name=name)
+        write_stale_and_leave(holder, name, row)
     run.close()
-    result = safety.record(run.judge(
-        "etcd: cluster paused past the lease ttl", "etcd", scale.runs,
-        expect_overlap="the old holder stays in its critical section until it checks its lease"))
+    result = safety.record(run.judge("etcd: cluster paused past the lease ttl", "etcd", scale.runs,
+                                     expect_overlap=LOST_LEASE_OVERLAP))
     assert result.ok, result.violations
     assert result.rejections == scale.runs

@@ -12,6 +12,7 @@ import pytest
 from distlock.conformance.process import ClientError
 from distlock.conformance.scenarios import take_turn
 from tests.faults.conftest import DATABASES
+from tests.faults.server_scenarios import enter_new_lock, write_stale_and_leave
 from tests.faults.targets import TARGETS
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=DATABASES)]
@@ -21,10 +22,7 @@ TTL = 10.0
 
 def restart_during_hold(run, server, holder, other):
     """A holds, claims, enters; Redis is killed and restarted; return (name, row, A's grant, B's grant or error)."""
-    name, row = run.lock_name(), run.row()
-    held = holder.call("acquire", name=name, ttl=TTL, timeout=30)
-    holder.call("claim", name=name, row=row)
-    holder.call("enter", name=name)
+    name, row, held = enter_new_lock(run, holder, ttl=TTL, timeout=30)
     run.nemesis.record("fault", what="kill redis")
     server.kill()
     server.start()
@@ -44,10 +42,7 @@ def test_restart_without_persistence_double_grants_but_fencing_holds(private_red
         assert not isinstance(taken, ClientError), f"the emptied server must grant the lock again: {taken}"
         assert taken["token"] > held["token"], "the token must not go back with the lost counter"
         take_turn(other, name, row)
-        stale = holder.call("write", name=name, row=row, via="token")
-        holder.call("exit", name=name)
-        holder.call("release", name=name)
-        assert stale["outcome"] == "stale"
+        write_stale_and_leave(holder, name, row)
     run.close()
     result = safety.record(run.judge("redis restart without persistence", "Redis", scale.canary_runs,
                                      expect_overlap="the restarted server forgot the lock"))

@@ -17,6 +17,8 @@ from distlock.conformance import scenarios
 from distlock.conformance.run import RECOVERY_SLACK
 from tests.faults.conftest import DATABASES
 from tests.faults.proxy import FaultProxy
+from tests.faults.server_scenarios import (LOST_LEASE_OVERLAP, enter_new_lock, restart_during_contention,
+                                           write_stale_and_leave)
 from tests.faults.targets import SESSION_TIMEOUT, TARGETS
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=DATABASES)]
@@ -26,12 +28,9 @@ TTL = 30.0
 
 @pytest.fixture
 def ensemble(private_zookeeper):
-    """The ensemble, whole and serving again after the test."""
+    """The ensemble, whole and healthy again after the test."""
     yield private_zookeeper
-    for member in private_zookeeper.members:
-        if not member.running:
-            member.start()
-    private_zookeeper.wait_serving(60)
+    private_zookeeper.restore()
 
 
 def expire_session(hosts, session_id, password):
@@ -57,10 +56,7 @@ def test_expired_session_hands_the_lock_over_and_the_store_refuses_the_old_holde
     run = fault_run({"zookeeper": TARGETS["zookeeper"].entry(hosts=ensemble.hosts)})
     holder, waiter = run.spawn("holder", "waiter")
     for _ in range(scale.runs):
-        name, row = run.lock_name(), run.row()
-        held = holder.call("acquire", name=name, ttl=TTL, timeout=10)
-        holder.call("claim", name=name, row=row)
-        holder.call("enter", name=name)
+        name, row, held = enter_new_lock(run, holder, ttl=TTL, timeout=10)
         waiting = waiter.send("acquire", name=name, ttl=TTL, timeout=60)
         time.sleep(0.3)
         session = holder.call("probe", function="tests.faults.probes.zookeeper_session")
@@ -72,13 +68,10 @@ def test_expired_session_hands_the_lock_over_and_the_store_refuses_the_old_holde
         # Until its client hears of the expiry, the old holder's lease is at least suspended: no write starts.
         assert holder.call("check", name=name)["state"] != "valid", "the old holder must not trust its lease"
         assert wait_for_state(holder, name, "lost", within=SESSION_TIMEOUT + RECOVERY_SLACK)
-        assert holder.call("write", name=name, row=row, via="token")["outcome"] == "stale"
-        holder.call("exit", name=name)
-        holder.call("release", name=name)
+        write_stale_and_leave(holder, name, row)
     run.close()
-    result = safety.record(run.judge(
-        "zookeeper: session expired", "ZooKeeper", scale.runs,
-        expect_overlap="the old holder stays in its critical section until it checks its lease"))
+    result = safety.record(run.judge("zookeeper: session expired", "ZooKeeper", scale.runs,
+                                     expect_overlap=LOST_LEASE_OVERLAP))
     assert result.ok, result.violations
     lost = [e for e in run.history() if e["op"] == "lost" and e["proc"] == "holder"]
     assert len(lost) == scale.runs, "lock_lost must be sent once per expired session"
@@ -88,20 +81,8 @@ def test_expired_session_hands_the_lock_over_and_the_store_refuses_the_old_holde
 
 def test_leader_killed_during_contention(ensemble, fault_run, safety, scale):
     run = fault_run({"zookeeper": TARGETS["zookeeper"].entry(hosts=ensemble.hosts)})
-
-    def kill_the_leader():
-        time.sleep(1.5)
-        leader = ensemble.leader()
-        leader.kill()
-        run.nemesis.record("fault", what="kill leader", target=leader.name)
-        time.sleep(3)
-        leader.start()
-        run.nemesis.record("fault", what="restart leader", target=leader.name)
-
-    clients = scale.clients // 2
-    result = safety.record(scenarios.contention(run, "ZooKeeper", clients=clients, iterations=scale.iterations,
-                                                fault=kill_the_leader,
-                                                scenario="zookeeper: leader killed during contention"))
+    result = safety.record(restart_during_contention(run, "ZooKeeper", ensemble, scale, member=lambda e: e.leader(),
+                                                     scenario="zookeeper: leader killed during contention"))
     assert result.ok, result.violations
 
 
@@ -116,10 +97,7 @@ def test_suspended_connection_comes_back_with_the_same_lease(ensemble, fault_run
                          "behind_proxy": {"BACKEND": backend, "OPTIONS": {**options, "HOSTS": behind}}})
         (holder,) = run.spawn("holder", alias="behind_proxy")
         (waiter,) = run.spawn("waiter")
-        name, row = run.lock_name(), run.row()
-        held = holder.call("acquire", name=name, ttl=TTL, timeout=10)
-        holder.call("claim", name=name, row=row)
-        holder.call("enter", name=name)
+        name, row, held = enter_new_lock(run, holder, ttl=TTL, timeout=10)
         watching = holder.send("watch", name=name, seconds=6)
         waiting = waiter.send("acquire", name=name, ttl=TTL, timeout=60)
         time.sleep(0.5)

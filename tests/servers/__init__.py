@@ -153,3 +153,75 @@ class ManagedProcess:
 
     def __exit__(self, *exc):
         self.cleanup()
+
+
+class ClusterMember(ManagedProcess):
+    """One member of a ``Cluster``: a server process that answers clients on 127.0.0.1:``client_port``."""
+
+    def __init__(self, name, client_port, workdir):
+        self.client_port = client_port
+        super().__init__(name, workdir)
+
+    @property
+    def address(self):
+        """The client address, "127.0.0.1:port", as the backends' host lists take it."""
+        return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def healthy(self):
+        """True if the member serves clients, which it does only within a quorum that has a leader."""
+        raise NotImplementedError
+
+    @property
+    def leads(self):
+        raise NotImplementedError
+
+
+class Cluster:
+    """``ClusterMember`` processes of one replicated server on loopback; a subclass builds ``self.members``."""
+
+    #: The server's name in timeout messages ("etcd", "ZooKeeper").
+    service = None
+
+    def start(self, timeout=60):
+        """Start every member and return once each of them is healthy."""
+        for member in self.members:
+            member.start()
+        self.wait_healthy(timeout, members=self.members)
+        return self
+
+    def wait_healthy(self, timeout=30, members=None):
+        """Wait until ``members`` (default: every running member) are healthy and one member leads."""
+        members = members or [member for member in self.members if member.running]
+        try:
+            wait_until(lambda: all(member.healthy for member in members) and self.leader() is not None,
+                       timeout, f"{self.service} quorum")
+        except TimeoutError:
+            logs = "\n".join(f"--- {member.name}\n{member.new_logs()[-3000:]}" for member in members)
+            raise TimeoutError(f"the {self.service} cluster had no healthy quorum within {timeout}s:\n{logs}") from None
+
+    def restore(self, timeout=60):
+        """Resume paused members, start stopped ones and wait until all are healthy: undo a fault test."""
+        for member in self.members:
+            member.resume()
+            if not member.running:
+                member.start()
+        self.wait_healthy(timeout, members=self.members)
+
+    def leader(self):
+        """Return the member that leads right now, or None (during an election, or without quorum)."""
+        return next((member for member in self.members if member.running and member.leads), None)
+
+    def followers(self):
+        """Return the running members that serve clients and do not lead."""
+        return [member for member in self.members if member.running and member.healthy and not member.leads]
+
+    def cleanup(self):
+        for member in self.members:
+            member.cleanup()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.cleanup()

@@ -11,13 +11,12 @@ outside the client under test.
 
 import base64
 import json
-import time
 import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
 
-from tests.servers import ManagedProcess, free_port, port_open, wait_until
+from tests.servers import Cluster, ClusterMember, free_port, port_open
 
 ETCD_BINARY = "/usr/bin/etcd"
 
@@ -38,7 +37,7 @@ def gateway_call(port, path, body=None, timeout=1.0):
         return None
 
 
-class EtcdMember(ManagedProcess):
+class EtcdMember(ClusterMember):
     """One member of a cluster. ``ready()`` means the process listens for peers; ``healthy`` means it serves.
 
     A member cannot serve clients before a quorum exists, so ``start()`` returns as soon as the
@@ -48,18 +47,12 @@ class EtcdMember(ManagedProcess):
 
     def __init__(self, name, client_port, peer_port, initial_cluster, cluster_token, workdir):
         self.member_name = name
-        self.client_port = client_port
         self.peer_port = peer_port
         #: "name=http://127.0.0.1:peer,..." for the whole cluster, shared by every member.
         self.initial_cluster = initial_cluster
         self.cluster_token = cluster_token
-        super().__init__(f"etcd-{name}", workdir)
+        super().__init__(f"etcd-{name}", client_port, workdir)
         self.data_dir = self.workdir / "data"
-
-    @property
-    def address(self):
-        """The client address, "127.0.0.1:port", as ``ENDPOINTS`` takes it."""
-        return f"127.0.0.1:{self.client_port}"
 
     def command(self):
         client_url = f"http://127.0.0.1:{self.client_port}"
@@ -93,13 +86,16 @@ class EtcdMember(ManagedProcess):
         return gateway_call(self.client_port, "/v3/maintenance/status", {})
 
     @property
-    def is_leader(self):
+    def leads(self):
+        """True if the member's status names the member itself as the leader."""
         status = self.status()
         return bool(status) and status.get("leader") == status.get("header", {}).get("member_id")
 
 
-class EtcdCluster:
+class EtcdCluster(Cluster):
     """Three (or ``size``) members on free loopback ports, each in its own directory under ``workdir``."""
+
+    service = "etcd"
 
     def __init__(self, workdir, size=3):
         self.workdir = Path(workdir)
@@ -115,43 +111,6 @@ class EtcdCluster:
     def endpoints(self):
         """The ``ENDPOINTS`` option: "127.0.0.1:c1,127.0.0.1:c2,127.0.0.1:c3"."""
         return ",".join(member.address for member in self.members)
-
-    def __getitem__(self, index):
-        return self.members[index]
-
-    def start(self, timeout=60):
-        """Start every member and return once each of them serves clients."""
-        for member in self.members:
-            member.start()
-        self.wait_healthy(timeout, members=self.members)
-        return self
-
-    def wait_healthy(self, timeout=30, members=None):
-        """Wait until ``members`` (default: every running member) serve clients and agree on a leader."""
-        members = members or [member for member in self.members if member.running]
-        try:
-            wait_until(lambda: all(member.healthy for member in members) and self.leader() is not None,
-                       timeout, "etcd quorum")
-        except TimeoutError:
-            logs = "\n".join(f"--- {member.name}\n{member.new_logs()[-3000:]}" for member in members)
-            raise TimeoutError(f"the etcd cluster had no healthy quorum within {timeout}s:\n{logs}") from None
-
-    def leader(self):
-        """Return the member that leads right now, or None (during an election, or without quorum)."""
-        return next((member for member in self.members if member.running and member.is_leader), None)
-
-    def followers(self):
-        return [member for member in self.members if member.running and not member.is_leader]
-
-    def wait_for_new_leader(self, old, timeout=30):
-        """Return the leader elected after ``old`` (a member) stopped leading."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            leader = self.leader()
-            if leader is not None and leader is not old:
-                return leader
-            time.sleep(0.05)
-        raise TimeoutError(f"no new etcd leader within {timeout}s")
 
     def _gateway(self, path, body):
         for member in self.members:
@@ -176,23 +135,6 @@ class EtcdCluster:
     def revoke_lease(self, lease_id):
         """Revoke a lease as an operator would: etcd deletes every key attached to it."""
         self._gateway("/v3/lease/revoke", {"ID": str(lease_id)})
-
-    def get_logs(self):
-        return "\n".join(f"--- {member.name}\n{member.get_logs()}" for member in self.members)
-
-    def stop(self):
-        for member in self.members:
-            member.stop()
-
-    def cleanup(self):
-        for member in self.members:
-            member.cleanup()
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.cleanup()
 
 
 def start_etcd(tmp):

@@ -8,10 +8,9 @@ to see who watches what.
 """
 
 import socket
-import time
 from pathlib import Path
 
-from tests.servers import ManagedProcess, free_port, wait_until
+from tests.servers import Cluster, ClusterMember, free_port
 
 ZOOKEEPER_JAR = "/usr/share/java/zookeeper.jar"
 #: slf4j -> log4j 1.2, so the server logs to stdout (our log file); zookeeper.jar's manifest brings the rest.
@@ -40,27 +39,20 @@ def four_letter_word(port, command, timeout=2.0):
     return b"".join(chunks).decode(errors="replace")
 
 
-class ZooKeeperMember(ManagedProcess):
-    """One member of an ensemble. ``ready()`` means the process answers; ``serving`` means it is in a quorum.
+class ZooKeeperMember(ClusterMember):
+    """One member of an ensemble. ``ready()`` means the process answers; ``healthy`` means it is in a quorum.
 
-    A member started alone (the others down) is ready but not serving, so the fault suite can restart
-    members one by one and wait for the quorum separately with ``ZooKeeperEnsemble.wait_serving()``.
+    A member started alone (the others down) is ready but not healthy, so the fault suite can restart
+    members one by one and wait for the quorum separately with ``ZooKeeperEnsemble.wait_healthy()``.
     """
 
-    def __init__(self, myid, client_port, peer_port, election_port, servers, workdir):
+    def __init__(self, myid, client_port, servers, workdir):
         self.myid = myid
-        self.client_port = client_port
-        self.peer_port = peer_port
-        self.election_port = election_port
-        #: "server.N=..." lines of the whole ensemble, shared by every member.
+        #: "server.N=127.0.0.1:peer:election" lines of the whole ensemble, shared by every member.
         self.servers = servers
-        super().__init__(f"zookeeper-{myid}", workdir)
+        super().__init__(f"zookeeper-{myid}", client_port, workdir)
         self.conf_dir = self.workdir / "conf"
         self.data_dir = self.workdir / "data"
-
-    @property
-    def address(self):
-        return f"127.0.0.1:{self.client_port}"
 
     def prepare(self):
         self.conf_dir.mkdir(parents=True, exist_ok=True)
@@ -112,80 +104,32 @@ class ZooKeeperMember(ManagedProcess):
         return None
 
     @property
-    def serving(self):
+    def healthy(self):
         return self.mode in ("leader", "follower")
 
+    @property
+    def leads(self):
+        return self.mode == "leader"
 
-class ZooKeeperEnsemble:
+
+class ZooKeeperEnsemble(Cluster):
     """Three (or ``size``) members on free loopback ports, each in its own directory under ``workdir``."""
+
+    service = "ZooKeeper"
 
     def __init__(self, workdir, size=3):
         self.workdir = Path(workdir)
         ports = [(free_port(), free_port(), free_port()) for _ in range(size)]
         servers = [f"server.{i}=127.0.0.1:{peer}:{election}" for i, (_, peer, election) in enumerate(ports, 1)]
         self.members = [
-            ZooKeeperMember(i, client, peer, election, servers, self.workdir / f"member-{i}")
-            for i, (client, peer, election) in enumerate(ports, 1)
+            ZooKeeperMember(i, client, servers, self.workdir / f"member-{i}")
+            for i, (client, _, _) in enumerate(ports, 1)
         ]
 
     @property
     def hosts(self):
         """The connection string for kazoo: "127.0.0.1:p1,127.0.0.1:p2,127.0.0.1:p3"."""
         return ",".join(member.address for member in self.members)
-
-    def __getitem__(self, index):
-        return self.members[index]
-
-    def start(self, timeout=60):
-        """Start every member and return once the whole ensemble serves clients."""
-        for member in self.members:
-            member.start()
-        self.wait_serving(timeout, members=self.members)
-        return self
-
-    def wait_serving(self, timeout=30, members=None):
-        """Wait until ``members`` (default: every running member) are in a quorum with a leader."""
-        members = members or [member for member in self.members if member.running]
-        try:
-            wait_until(lambda: all(member.serving for member in members) and self.leader() is not None,
-                       timeout, "ZooKeeper quorum")
-        except TimeoutError:
-            logs = "\n".join(f"--- {member.name}\n{member.new_logs()[-3000:]}" for member in members)
-            raise TimeoutError(f"the ZooKeeper ensemble formed no quorum within {timeout}s:\n{logs}") from None
-
-    def leader(self):
-        """Return the member that is the leader right now, or None."""
-        return next((member for member in self.members if member.running and member.mode == "leader"), None)
-
-    def followers(self):
-        return [member for member in self.members if member.running and member.mode == "follower"]
-
-    def wait_for_new_leader(self, old, timeout=30):
-        """Return the leader elected after ``old`` (a member) stopped leading."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            leader = self.leader()
-            if leader is not None and leader is not old:
-                return leader
-            time.sleep(0.1)
-        raise TimeoutError(f"no new ZooKeeper leader within {timeout}s")
-
-    def get_logs(self):
-        return "\n".join(f"--- {member.name}\n{member.get_logs()}" for member in self.members)
-
-    def stop(self):
-        for member in self.members:
-            member.stop()
-
-    def cleanup(self):
-        for member in self.members:
-            member.cleanup()
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.cleanup()
 
 
 def start_zookeeper(tmp):
