@@ -74,6 +74,24 @@ class Grant:
     session_timeout: float | None = None
 
 
+#: Grants that came back after their ttl ran out, in one call, before ``acquire()`` gives up.
+LATE_GRANTS_LIMIT = 3
+
+
+def refuse_after_late_grants(late_grants, alias, name, ttl):
+    """Raise ``LockNotAcquired`` once ``late_grants`` grants of one call came back after their ttl ran out.
+
+    Such a grant is worth nothing (another owner may hold the lock already) and is given back. A
+    pause or a slow network can make one late, and the call tries again; but a ttl shorter than a
+    round trip to the server makes every grant late, and retrying would never end.
+    """
+    if late_grants >= LATE_GRANTS_LIMIT:
+        raise LockNotAcquired(
+            f"Lock {name!r} on alias '{alias}' not acquired: {late_grants} grants came back after the ttl of "
+            f"{ttl:g}s had run out; use a ttl longer than a round trip to the server."
+        )
+
+
 @dataclass
 class Attempt:
     """One ``acquire()`` call as its tries and waits see it.
@@ -98,6 +116,8 @@ class Attempt:
     #: Set by a try, for backends whose waiters are notified: the notification-stream position seen
     #: before the try, so a release that lands between the try and the wait is not missed.
     notified_since: int | None = None
+    #: Grants that came back after the ttl had run out (see ``refuse_after_late_grants``).
+    late_grants: int = 0
 
 
 @dataclass(frozen=True)
@@ -200,8 +220,14 @@ class BaseLockBackend:
                 attempt.tries += 1
                 if grant is not None:
                     lease = self.make_lease(name, attempt.owner, ttl, started, grant)
-                    lease.attempts = attempt.tries
-                    return lease
+                    if lease.remaining() > 0:
+                        lease.attempts = attempt.tries
+                        return lease
+                    # Late (a pause, a slow server): another owner may hold the lock by now.
+                    self._do_release(lease)
+                    attempt.late_grants += 1
+                    refuse_after_late_grants(attempt.late_grants, self.alias, name, ttl)
+                    continue
                 remaining = None if attempt.deadline is None else attempt.deadline - time.monotonic()
                 if not blocking or (remaining is not None and remaining <= 0):
                     raise LockNotAcquired(self._not_acquired_message(name, blocking, timeout))

@@ -16,6 +16,7 @@ from etcd3 import etcdrpc
 
 from distlock.backends.base import (
     NOTIFICATIONS, SAFE_FENCING_TOKENS, BaseLockBackend, Grant, LockInfo, Option, positive_number,
+    refuse_after_late_grants,
 )
 from distlock.exceptions import BackendUnavailable, LockNotAcquired
 from distlock.holder import current_holder, new_owner
@@ -364,6 +365,8 @@ class _Contender:
     may_exist: bool = False
     #: ACQUIRE and TURN requests sent; more than one means the call waited (``Lease.attempts``).
     attempts: int = 0
+    #: Grants that came back after the ttl had run out (see ``refuse_after_late_grants``).
+    late_grants: int = 0
 
 
 @dataclass(frozen=True)
@@ -589,9 +592,12 @@ class EtcdBackend(BaseLockBackend):
                 raise LockNotAcquired(self._not_acquired_message(contender.name, True, timeout))
 
     def _grant(self, contender, session, ttl, started, acquired_at):
-        """Return the Lease for our key, or None (key deleted) if the session died before the answer came."""
+        """Return the Lease for our key, or None (key deleted) if the session died before the answer came,
+        or the answer came after the ttl had run out (then another owner may hold the lock already)."""
+        now = time.monotonic()
+        late = now - started >= ttl
         with self._lock:
-            usable = session.lost is None and time.monotonic() < session.valid_until
+            usable = session.lost is None and now < session.valid_until and not late
             if usable:
                 handle = _Held(contender.key, contender.revision, session, contender.name, contender.slot,
                                contender.owner)
@@ -602,9 +608,13 @@ class EtcdBackend(BaseLockBackend):
                 self._schedule_expiry(_Expiry(handle, started + ttl))
         if usable:
             return lease
-        # The key may outlive our belief in the session by a moment; nobody may think it holds the lock.
-        self._connection.delete("delete a key of an expired session", contender.key, self._connection.deadline())
+        # Nobody may think it holds the lock through this key (it may also outlive our belief in the
+        # session by a moment): delete it.
+        self._connection.delete("give back an unusable grant", contender.key, self._connection.deadline())
         contender.may_exist = False
+        if late:
+            contender.late_grants += 1
+            refuse_after_late_grants(contender.late_grants, self.alias, contender.name, ttl)
         return None
 
     def _take_slot(self, contender, session):

@@ -400,19 +400,12 @@ class RedisBackend(BaseLockBackend):
         name, owner, ttl, blocking = attempt.name, attempt.owner, attempt.ttl, attempt.blocking
         lock, queue, alive, wake = self._keys(name)
         metadata = self._holder_metadata()
-        sent = time.monotonic()
         reply = self._run(_ACQUIRE, (lock, self._token_key, queue, alive, wake),
                           (owner, math.ceil(ttl * 1000), metadata, "1" if blocking else "0",
                            int(WAITER_TTL * 1000)),
                           deadline=None if not blocking else attempt.deadline)
         if reply[0] != 1:
             attempt.retry_after = reply[1] / 1000
-            return None
-        if time.monotonic() - sent >= ttl:
-            # The answer came after the ttl ran out (a pause, a slow network): the server may already
-            # have given the lock to someone else, so this grant is worth nothing. Drop it and retry.
-            self._execute_release(name, owner)
-            attempt.retry_after = 0
             return None
         token, acquired_us = reply[1], reply[2]
         return Grant(token=token, acquired_at=datetime.fromtimestamp(acquired_us / 1e6, timezone.utc))

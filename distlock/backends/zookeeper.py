@@ -34,11 +34,13 @@ from distlock.backends.base import (
     NOTIFICATIONS,
     READ_WRITE,
     SAFE_FENCING_TOKENS,
+    Attempt,
     BaseLockBackend,
     Grant,
     LockInfo,
     Option,
     positive_number,
+    refuse_after_late_grants,
 )
 from distlock.exceptions import BackendUnavailable, LockNotAcquired
 from distlock.holder import current_holder, new_owner
@@ -571,16 +573,17 @@ class ZooKeeperBackend(BaseLockBackend):
     def _acquire(self, name, kind, *, ttl, timeout, blocking):
         deadline = None if timeout is None else time.monotonic() + timeout
         contender = _Contender(self._parent_path(name), new_owner(), kind)
-        looks = 0
+        attempt = Attempt(name=name, owner=contender.owner, ttl=ttl, blocking=blocking, deadline=deadline)
         with self._translate_errors(f"acquiring lock {name!r}"):
             try:
                 while True:
-                    started, round_looks = self._take_turn(contender, deadline, blocking, name, timeout)
-                    looks += round_looks
+                    started, looks = self._take_turn(contender, deadline, blocking, name, timeout)
+                    attempt.tries += looks
                     lease = self.make_lease(name, contender.owner, ttl, started, Grant(
                         token=contender.token, handle=contender.path, session_timeout=self.session_timeout))
-                    lease.attempts = looks
-                    if lease.remaining() > 0 and self._hold(lease, contender.epoch):
+                    lease.attempts = attempt.tries
+                    late = lease.remaining() <= 0
+                    if not late and self._hold(lease, contender.epoch):
                         return lease
                     # The grant came back after the ttl had run out (this process paused, or the
                     # ensemble is slower than the ttl), or the session that made the node ended before
@@ -588,6 +591,9 @@ class ZooKeeperBackend(BaseLockBackend):
                     # lease. Give the node back and queue again while the timeout allows.
                     self._send_leave(contender.path)
                     contender.forget_node()
+                    if late:
+                        attempt.late_grants += 1
+                        refuse_after_late_grants(attempt.late_grants, self.alias, name, ttl)
                     if deadline is not None and time.monotonic() >= deadline:
                         raise LockNotAcquired(
                             f"Lock {name!r} on alias '{self.alias}' not acquired: its grant arrived after the "

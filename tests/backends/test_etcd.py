@@ -108,11 +108,7 @@ def cluster(tmp_path_factory):
 def restore(cluster):
     """Resume, restart and wait for every member after a test that disturbed them."""
     yield
-    for member in cluster.members:
-        member.resume()
-        if not member.running:
-            member.start()
-    cluster.wait_healthy(60, members=cluster.members)
+    cluster.restore()
 
 
 @pytest.fixture
@@ -388,9 +384,7 @@ def test_keepalive_failure_past_the_lease_ttl_marks_leases_lost(
         with pytest.raises(distlock.LockLost, match="session lease"):
             lease.check()
     finally:
-        for member in cluster.members:
-            member.resume() if fault == "pause" else member.start()
-    cluster.wait_healthy(60, members=cluster.members)
+        cluster.restore()
     # The lock is free again soon (etcd expires or we revoke the abandoned lease) and fenced above the old holder.
     other = distlock.acquire(lock_name, ttl=10, timeout=session_timeout + 10, using=other_alias)
     assert other.token > lease.token
