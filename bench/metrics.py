@@ -4,9 +4,9 @@
 
 Both modes run in this process, back to back in each round (on, off, then off, on, ...); the figure
 is the median of the rounds' on/off throughput ratios, so load on the shared machine hits both
-alike. "On" includes everything recording costs this process: the queue append on the acquire path,
-the daemon thread folding the queue every second (Prometheus instruments included) and its flush to
-the store every ``FLUSH_INTERVAL``. The target is under 5% slower.
+alike. "On" includes everything recording costs this process: buffering each event on the acquire
+and release paths, the daemon thread folding the buffers every second (Prometheus instruments
+included) and its flush to the store every ``FLUSH_INTERVAL``. The target is under 5% slower.
 """
 
 import argparse
@@ -46,7 +46,7 @@ def rate(alias, seconds):
 
 
 def recording_cost(pairs=20000, runs=5):
-    """Return the CPU µs that recording one acquire+release costs (queueing both events, folding them).
+    """Return the CPU µs that recording one acquire+release costs (buffering both events, folding them).
 
     Measured in a tight loop on this process's recorder, median of ``runs``: a figure that load on a
     shared machine barely moves, to set beside the noisier throughput comparison.
@@ -113,7 +113,7 @@ def main(argv=None):
           f"ratio within a round ({args.seconds:g}s per mode); CPU time per pair, this process, every thread. "
           f"Target: under {TARGET:.0%} slower.")
     cost = recording_cost()
-    print(f"Recording one acquire+release (queue both events, fold them, Prometheus included): {cost:.1f} µs CPU.")
+    print(f"Recording one acquire+release (buffer both events, fold them, Prometheus included): {cost:.1f} µs CPU.")
     print(f"  {'alias':<14}{'off /s':>8}{'slower':>9}{'(rounds IQR)':>18}   {'CPU µs/pair on':>15}{'off':>8}"
           f"{'added':>8}   {'recording / pair time':>22}")
     for alias in aliases:

@@ -64,7 +64,7 @@ def acquire(name, ttl=None, timeout=None, blocking=True, using=DEFAULT_ALIAS, au
         metrics.record_acquire(using, name, ttl, time.monotonic() - started, "unavailable")
         raise
     waited = time.monotonic() - started
-    metrics.record_acquire(using, name, ttl, waited, "acquired", lease=lease)
+    metrics.record_acquire(using, name, ttl, waited, "acquired", lease)
     if auto_renew:
         lease._renewer = Renewer(lease, max_hold=max_hold)
         lease._renewer.start()

@@ -1,10 +1,15 @@
 """Cluster-wide metrics: events of separate processes summed in the store, thresholds, Prometheus export."""
 
 import logging
+import math
 import multiprocessing
 import os
+import random
+import sys
+import threading
 import time
 import uuid
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +17,7 @@ from django.db import connections
 from prometheus_client.parser import text_string_to_metric_families
 
 import distlock
-from distlock.metrics import Recorder, report, series, this_process
+from distlock.metrics import Recorder, prefix_of, report, series, this_process
 from distlock.metrics.recorder import OTHER_PREFIX, PERIOD
 from distlock.models import FencingRejection, MetricSample
 from tests.conftest import require_alias
@@ -201,6 +206,108 @@ def test_periods_are_minutes_of_the_recording_process():
     recorder = Recorder(clock=lambda: start + 59.9)
     recorder.record_lost(lease("x", "job:1", 10))
     assert list(recorder.pending()) == [(start, "x", "job", series.LOST, 0)]
+
+
+def test_an_event_counts_in_the_minute_of_the_fold_that_takes_it():
+    # Recording reads no clock (it would cost more than the rest of recording): the fold stamps its
+    # batch, at most DRAIN_INTERVAL after the events in it.
+    start = 1_700_000_000 // PERIOD * PERIOD
+    now = [start + 59.9]
+    recorder = Recorder(clock=lambda: now[0])
+    recorder.record_lost(lease("x", "job:1", 10))
+    now[0] = start + 60.4
+    assert list(recorder.pending()) == [(start + PERIOD, "x", "job", series.LOST, 0)]
+
+
+def test_switching_recording_off_and_on_applies_to_a_recorder_already_recording(settings, alias):
+    recorder = Recorder()
+    acquire_n(recorder, alias, "job:1", 1)
+    settings.DISTLOCK_METRICS = {"ENABLED": False}
+    acquire_n(recorder, alias, "job:1", 2)
+    settings.DISTLOCK_METRICS = {"ENABLED": True}
+    acquire_n(recorder, alias, "job:1", 4)
+    counts = Counter()
+    for (_, _, _, series_name, _), count in recorder.pending().items():
+        counts[series_name] += count
+    assert counts[series.ATTEMPTS] == 5 and counts[series.RELEASED] == 5
+
+
+@pytest.fixture
+def fast_thread_switches():
+    """Threads switch every microsecond instead of every 5 ms, so that a race shows in every run."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(interval)
+
+
+def test_many_threads_recording_while_another_folds_lose_no_event(alias, fast_thread_switches):
+    recorder = Recorder()
+    threads, pairs = 8, 20000
+    # The odd-numbered threads share a lock name, so the batches hold events alike and mixed.
+    names = [f"t{index % 2 or index}:job" for index in range(threads)]
+    folding = threading.Event()
+
+    def fold_until_told():
+        while folding.is_set():
+            recorder.drain()
+
+    def record(name):
+        held = lease(alias, name, 10.0, held=0.02)
+        for pair in range(pairs):
+            recorder.record_acquire(alias, name, 10.0, 0.001, "acquired", held)
+            recorder.record_release(held)
+            if pair % 10 == 0:
+                recorder.record_lost(held)
+
+    folding.set()
+    folder = threading.Thread(target=fold_until_told)
+    folder.start()
+    workers = [threading.Thread(target=record, args=(name,)) for name in names]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    folding.clear()
+    folder.join()
+    counts = Counter()
+    for (_, _, prefix, series_name, _), count in recorder.pending().items():
+        counts[prefix, series_name] += count
+    for prefix, sharing in Counter(map(prefix_of, names)).items():
+        for series_name in (series.ATTEMPTS, series.ACQUIRED, series.ACQUIRE_SECONDS, series.ACQUIRE_OF_TTL,
+                            series.RELEASED, series.HOLD_SECONDS, series.HOLD_OF_TTL):
+            assert counts[prefix, series_name] == sharing * pairs, (prefix, series_name)
+        assert counts[prefix, series.LOST] == sharing * pairs // 10, prefix
+
+
+@pytest.mark.parametrize("alike", [True, False], ids=["events-alike", "events-mixed"])
+def test_batched_histograms_equal_bucket_of_for_each_duration(alias, alike):
+    # The fold buckets a whole group of durations at once; the counts must be those of bucket_of()
+    # for each, at the bounds too, whether the batch's events are all alike or not.
+    rng = random.Random(6)
+    ttls = [30] if alike else [0.5, 1, 3.0, 30]
+    names = ["job:1"] if alike else ["job:1", "job:2", "batch:1"]
+    bounds = [*series.SECONDS_BOUNDS, *(fraction * ttl for fraction in series.TTL_FRACTION_BOUNDS for ttl in ttls)]
+    durations = [edge for bound in bounds
+                 for edge in (math.nextafter(bound, 0), bound, math.nextafter(bound, math.inf))]
+    durations += [10 ** rng.uniform(-7, 4) for _ in range(2000)]  # spread over every bucket
+    durations += [rng.uniform(1e-6, 2e-5) for _ in range(2000)]   # most in one bucket
+    rng.shuffle(durations)
+    start = 1_700_000_000 // PERIOD * PERIOD
+    recorder = Recorder(clock=lambda: start)
+    expected = Counter()
+    for duration in durations:
+        name, ttl = rng.choice(names), rng.choice(ttls)
+        held = lease(alias, name, ttl, held=duration)
+        recorder.record_acquire(alias, name, ttl, duration, "acquired", held)
+        recorder.record_release(held)
+        where = (start, alias, prefix_of(name))
+        expected[(*where, series.ACQUIRE_SECONDS, series.bucket_of(series.SECONDS_BOUNDS, duration))] += 1
+        expected[(*where, series.ACQUIRE_OF_TTL, series.bucket_of(series.TTL_FRACTION_BOUNDS, duration / ttl))] += 1
+        expected[(*where, series.HOLD_SECONDS, series.bucket_of(series.SECONDS_BOUNDS, duration))] += 1
+        expected[(*where, series.HOLD_OF_TTL, series.bucket_of(series.TTL_FRACTION_BOUNDS, duration / ttl))] += 1
+    histograms = {key: count for key, count in recorder.pending().items() if key[3] in series.HISTOGRAMS}
+    assert histograms == expected
 
 
 # -- thresholds ---------------------------------------------------------------------------------

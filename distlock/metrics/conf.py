@@ -75,7 +75,7 @@ def load():
 
 
 def get():
-    """Return the current metrics settings, parsed once (this is on the acquire path)."""
+    """Return the current metrics settings, parsed once until a settings change."""
     global _current  # noqa: PLW0603 - a cache reset by the receiver below
     if _current is None:
         _current = load()

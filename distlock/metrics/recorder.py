@@ -1,10 +1,14 @@
-"""The per-process recorder: an event queue on the hot path, folded and flushed by a daemon thread.
+"""The per-process recorder: events buffered on the hot path, folded and flushed by a daemon thread.
 
-``record_*`` only append a tuple to a ``collections.deque`` (atomic in CPython, no lock, no I/O), so
-recording adds no network round trip and almost no time to ``acquire()``. Every second the thread
-folds the queue into per-minute counts keyed ``(period_start, alias, prefix, series, bucket)`` and
-into the Prometheus instruments; every ``FLUSH_INTERVAL`` seconds, and at exit, it adds the counts to
-the shared store. Counts that fail to reach the store stay pending for the next flush.
+Recording an acquisition or a release tests one flag (``ENABLED``, read again after
+``setting_changed``) and adds the event's fields to a list with one ``list.extend``, atomic in
+CPython: no lock, no I/O, no clock read, no bucketing. Every ``DRAIN_INTERVAL`` the thread takes the
+buffered events and folds them: events alike (same alias, name, result, attempts and ttl) are
+grouped, each group's durations are bucketed at once with a few C-level passes, and the counts go
+to per-minute counts keyed ``(period_start, alias, prefix, series, bucket)``, in the minute of the
+fold, and to the Prometheus instruments. Every ``FLUSH_INTERVAL`` seconds, and at exit, the thread
+adds the counts to the shared store. Counts that fail to reach the store stay pending for the next
+flush.
 """
 
 import atexit
@@ -14,9 +18,13 @@ import os
 import threading
 import time
 import weakref
-from bisect import bisect_left
-from collections import Counter, defaultdict, deque
+from bisect import bisect_left, bisect_right
+from collections import Counter, defaultdict
+from itertools import repeat
+from math import fsum
+from operator import truediv
 
+from django.core.signals import setting_changed
 from django.db import connections
 
 from distlock.metrics import conf, prometheus, series
@@ -25,7 +33,7 @@ logger = logging.getLogger("distlock.metrics")
 
 #: Names that share the part before the first ':' are counted together; names past the cap as this.
 OTHER_PREFIX = "other"
-#: Seconds between two folds of the queue (the Prometheus figures lag by at most this).
+#: Seconds between two folds of the buffered events (the Prometheus figures lag by at most this).
 DRAIN_INTERVAL = 1.0
 #: Seconds between two attempts of this process to fold old minutes into the since-start totals.
 FOLD_INTERVAL = 3600
@@ -38,8 +46,12 @@ WARN_AFTER_FAILURES = 3
 #: Seconds between two warnings while flushes keep failing (the failures in between are logged at DEBUG).
 WARN_EVERY = 3600
 
-# Event kinds (the first item of each queued tuple).
-_ACQUIRE, _RELEASE, _LOST, _REJECTION, _TASK_CONFLICT = range(5)
+#: Fields an acquisition adds to its buffer: alias, name, result, attempts, ttl, seconds it took.
+_ACQUISITION_FIELDS = 6
+#: Fields a release adds to its buffer: alias, name, ttl, seconds the lease was held.
+_RELEASE_FIELDS = 4
+# Kinds of the rarer events, buffered as one tuple each: (kind, alias, name, *details).
+_LOST, _REJECTION, _TASK_CONFLICT = range(3)
 #: Results that mean the caller met another holder (besides having to wait and retry).
 _CONTENDED = frozenset({series.BUSY, series.TIMEOUT})
 
@@ -49,19 +61,84 @@ def prefix_of(name):
     return name.split(":", 1)[0]
 
 
+def _take(buffer):
+    """Remove and return the items in ``buffer`` now; items other threads add meanwhile stay for next time.
+
+    A copy and a ``del`` of that many items from the front: appends only ever go to the end, so none
+    is lost between the two, and each of them is atomic in CPython.
+    """
+    taken = buffer[:]
+    del buffer[:len(taken)]
+    return taken
+
+
+def _take_grouped(buffer, fields):
+    """Remove the events in ``buffer`` now, ``fields`` items each, and return them grouped by all but the last.
+
+    Returns ``{first fields: [last field of each such event]}``. Taken as ``_take()`` does, by
+    slicing each field's column straight out of the buffer. When the events are all alike (a busy
+    process hammering one lock) a C-level ``list.count`` per field finds it and nothing is hashed
+    per event; otherwise each event costs one dict update.
+    """
+    end = len(buffer)
+    columns = [buffer[index:end:fields] for index in range(fields - 1)]
+    durations = buffer[fields - 1:end:fields]
+    del buffer[:end]
+    if all(column.count(column[0]) == len(column) for column in columns):
+        return {tuple(column[0] for column in columns): durations}
+    groups = defaultdict(list)
+    for key, duration in zip(zip(*columns), durations):
+        groups[key].append(duration)
+    return groups
+
+
+def _histograms(durations, ttl):
+    """Return ``{bucket: count}`` of ``durations`` in seconds, and as fractions of ``ttl``.
+
+    The same counts as ``series.bucket_of`` for each duration, found with a few C-level passes.
+    """
+    low, high = min(durations), max(durations)
+    return (_bucket_counts(series.SECONDS_BOUNDS, durations, low, high),
+            _bucket_counts(series.TTL_FRACTION_BOUNDS, durations, low, high, per=ttl))
+
+
+def _bucket_counts(bounds, durations, low, high, per=1):
+    # ``low`` and ``high``: the least and the greatest of ``durations``; counted are ``duration / per``.
+    first, last = bisect_left(bounds, low / per), bisect_left(bounds, high / per)
+    if first == last:
+        return {first: len(durations)}
+    # One group's durations mostly share its lowest bucket (a few outliers: a GC pause, a thread
+    # switch): count that bucket with one pass, and sort only the rest. Those up to bucket ``index``
+    # are the ones <= bounds[index] (``le`` semantics).
+    values = durations if per == 1 else list(map(truediv, durations, repeat(per)))
+    above = sorted(filter(bounds[first].__lt__, values))
+    counts, below = {first: len(values) - len(above)}, 0
+    for index in range(first + 1, last):
+        upto = bisect_right(above, bounds[index])
+        if upto > below:
+            counts[index], below = upto - below, upto
+    counts[last] = len(above) - below
+    return counts
+
+
 class Recorder:
     """Collect this process's lock events and add them to the shared store in batches.
 
-    Fork-safe: a child process starts with an empty queue and its own thread, so nothing is counted
-    twice. ``clock`` (wall time, for the per-minute periods) is injectable for tests.
+    Thread-safe without a lock on the hot path, and fork-safe: a child process starts with empty
+    buffers and its own thread, so nothing is counted twice. ``clock`` (wall time, for the per-minute
+    periods) is injectable for tests.
     """
 
     def __init__(self, *, clock=time.time):
         self._clock = clock
-        self._events = deque()
+        self._acquisitions = []
+        self._releases = []
+        self._events = []
+        # True or False once DISTLOCK_METRICS['ENABLED'] is read; None: read it at the next event.
+        self._recording = None
         self._pending = Counter()
         self._prefixes = set()
-        self._lock = threading.Lock()        # guards _pending and _prefixes
+        self._lock = threading.Lock()        # guards the folds, _pending and _prefixes
         self._flush_lock = threading.Lock()  # one flush at a time: the thread's or an explicit one
         self._thread = None
         self._stopped = threading.Event()
@@ -70,117 +147,132 @@ class Recorder:
         self._last_warning = None
         self_ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: (r := self_ref()) and r._forget_after_fork())
+        setting_changed.connect(self._setting_changed)  # weakly: a recorder of a test may go away
 
-    # -- the hot path: one deque.append per event ----------------------------------------------
-
-    def _queue(self, event):
-        self._events.append(event)
-        if self._thread is None:
-            self._start()
+    # -- the hot path: a flag test and one list.extend or append per event ------------------------
 
     def record_acquire(self, alias, name, ttl, waited, result, lease=None):
-        if conf.get().enabled:
-            attempts = getattr(lease, "attempts", 1)
-            self._queue((_ACQUIRE, self._clock(), alias, name, ttl, waited, result, attempts))
+        """Count one ``acquire()`` call; ``result`` is acquired, busy, timeout or unavailable."""
+        if self._recording or self._recording is None and self._start_recording():
+            self._acquisitions.extend((alias, name, result, 1 if lease is None else lease.attempts, ttl, waited))
 
     def record_release(self, lease):
-        if conf.get().enabled:
-            self._queue((_RELEASE, self._clock(), lease.alias, lease.name, lease.ttl, lease.held_for))
+        """Count a release and how long ``lease`` was held."""
+        if self._recording or self._recording is None and self._start_recording():
+            self._releases.extend((lease.alias, lease.name, lease.ttl, lease.held_for))
 
     def record_lost(self, lease):
-        if conf.get().enabled:
-            self._queue((_LOST, self._clock(), lease.alias, lease.name))
+        """Count a lease found lost."""
+        if self._recording or self._recording is None and self._start_recording():
+            self._events.append((_LOST, lease.alias, lease.name))
 
     def record_rejection(self, alias, name=""):
-        if conf.get().enabled:
-            self._queue((_REJECTION, self._clock(), alias, name))
+        """Count a fenced write refused for a stale token of lock ``name`` on ``alias``."""
+        if self._recording or self._recording is None and self._start_recording():
+            self._events.append((_REJECTION, alias, name))
 
     def record_task_conflict(self, alias, name, outcome):
-        if conf.get().enabled:
-            self._queue((_TASK_CONFLICT, self._clock(), alias, name, outcome))
+        """Count a Celery run whose key ``name`` was held; ``outcome`` is skip, retry, fail or refused."""
+        if self._recording or self._recording is None and self._start_recording():
+            self._events.append((_TASK_CONFLICT, alias, name, outcome))
+
+    def _start_recording(self):
+        """Read ``ENABLED`` (first event, or first after a settings change or a fork); start the thread if on."""
+        recording = conf.get().enabled
+        if recording and self._thread is None:
+            self._start()
+        self._recording = recording
+        return recording
+
+    def _setting_changed(self, *, setting, **kwargs):
+        if setting == "DISTLOCK_METRICS":
+            self._recording = None
 
     # -- folding (in the thread, or before a read) -----------------------------------------------
 
     def drain(self):
-        """Fold every queued event into the pending per-minute counts and the Prometheus instruments."""
-        events = self._events
+        """Fold every buffered event into the pending per-minute counts and the Prometheus instruments."""
         with self._lock:
-            if not events:
+            if not (self._acquisitions or self._releases or self._events):
                 return
-            max_prefixes = conf.get().max_prefixes
-            prefixes = self._prefixes
-            # Events alike (same kind, minute, alias, prefix, outcome and buckets) are counted together
-            # first, with one dict update each; the series and instruments are updated once per group.
-            alike, seconds_sums = {}, {}
-            while True:
-                try:
-                    event = events.popleft()
-                except IndexError:
-                    break
-                kind, at, alias, name = event[:4]
-                if kind == _REJECTION:
-                    # Counted for Prometheus only: the store's figures count FencingRejection rows,
-                    # the durable log that also names the rows and tokens involved.
-                    prometheus.count_rejection(alias)
-                    continue
-                prefix = prefix_of(name)
-                if prefix not in prefixes:
-                    if len(prefixes) < max_prefixes:
-                        prefixes.add(prefix)
-                    else:
-                        prefix = OTHER_PREFIX
-                period = int(at // PERIOD) * PERIOD
-                if kind == _ACQUIRE:
-                    ttl, waited, result, attempts = event[4:]
-                    key = (kind, period, alias, prefix, result, result in _CONTENDED or attempts > 1,
-                           bisect_left(series.SECONDS_BOUNDS, waited),
-                           bisect_left(series.TTL_FRACTION_BOUNDS, waited / ttl))
-                    total = (kind, alias, result)
-                    seconds_sums[total] = seconds_sums.get(total, 0.0) + waited
-                elif kind == _RELEASE:
-                    ttl, held = event[4:]
-                    key = (kind, period, alias, prefix, bisect_left(series.SECONDS_BOUNDS, held),
-                           bisect_left(series.TTL_FRACTION_BOUNDS, held / ttl))
-                    total = (kind, alias)
-                    seconds_sums[total] = seconds_sums.get(total, 0.0) + held
-                else:
-                    key = (kind, period, alias, prefix, *event[4:])
-                alike[key] = alike.get(key, 0) + 1
-            self._count(alike, seconds_sums)
+            # The minute is the fold's, not the event's: reading the clock per event would cost more
+            # than the rest of recording. An event is at most DRAIN_INTERVAL old when folded (more only
+            # while a slow flush holds the thread up), so it may count in the next minute, never twice.
+            period = int(self._clock() // PERIOD) * PERIOD
+            prefix = self._capped_prefix_of(conf.get().max_prefixes)
+            if self._acquisitions:
+                self._count_acquisitions(period, prefix, _take_grouped(self._acquisitions, _ACQUISITION_FIELDS))
+            if self._releases:
+                self._count_releases(period, prefix, _take_grouped(self._releases, _RELEASE_FIELDS))
+            if self._events:
+                self._count_events(period, prefix, _take(self._events))
 
-    def _count(self, alike, seconds_sums):
+    def _capped_prefix_of(self, max_prefixes):
+        """Return ``name -> prefix``, keeping this process's first ``max_prefixes`` prefixes; the rest are other."""
+        prefixes = self._prefixes
+
+        def prefix(name):
+            found = prefix_of(name)
+            if found not in prefixes:
+                if len(prefixes) >= max_prefixes:
+                    return OTHER_PREFIX
+                prefixes.add(found)
+            return found
+
+        return prefix
+
+    def _count_acquisitions(self, period, prefix, groups):
         pending = self._pending
-        acquire_buckets, hold_buckets = defaultdict(Counter), defaultdict(Counter)
-        for (kind, period, alias, prefix, *details), count in alike.items():
-            where = (period, alias, prefix)
-            if kind == _ACQUIRE:
-                result, contended, seconds_bucket, fraction_bucket = details
-                pending[(*where, series.ATTEMPTS, 0)] += count
-                pending[(*where, result, 0)] += count
-                if contended:
-                    pending[(*where, series.CONTENDED, 0)] += count
-                if result == series.ACQUIRED:
-                    pending[(*where, series.ACQUIRE_SECONDS, seconds_bucket)] += count
-                    pending[(*where, series.ACQUIRE_OF_TTL, fraction_bucket)] += count
-                acquire_buckets[(alias, result)][seconds_bucket] += count
-            elif kind == _RELEASE:
-                seconds_bucket, fraction_bucket = details
-                pending[(*where, series.RELEASED, 0)] += count
-                pending[(*where, series.HOLD_SECONDS, seconds_bucket)] += count
-                pending[(*where, series.HOLD_OF_TTL, fraction_bucket)] += count
-                hold_buckets[alias][seconds_bucket] += count
+        buckets, seconds = defaultdict(Counter), defaultdict(float)  # per (alias, result), for Prometheus
+        for (alias, name, result, attempts, ttl), durations in groups.items():
+            where = (period, alias, prefix(name))
+            count = len(durations)
+            pending[(*where, series.ATTEMPTS, 0)] += count
+            pending[(*where, result, 0)] += count
+            if result in _CONTENDED or attempts > 1:
+                pending[(*where, series.CONTENDED, 0)] += count
+            in_seconds, of_ttl = _histograms(durations, ttl)
+            if result == series.ACQUIRED:
+                for bucket, in_bucket in in_seconds.items():
+                    pending[(*where, series.ACQUIRE_SECONDS, bucket)] += in_bucket
+                for bucket, in_bucket in of_ttl.items():
+                    pending[(*where, series.ACQUIRE_OF_TTL, bucket)] += in_bucket
+            buckets[alias, result].update(in_seconds)
+            seconds[alias, result] += fsum(durations)
+        for (alias, result), bucket_counts in buckets.items():
+            prometheus.observe_acquisitions(alias, result, bucket_counts, seconds[alias, result])
+
+    def _count_releases(self, period, prefix, groups):
+        pending = self._pending
+        buckets, seconds = defaultdict(Counter), defaultdict(float)  # per alias, for Prometheus
+        for (alias, name, ttl), durations in groups.items():
+            where = (period, alias, prefix(name))
+            pending[(*where, series.RELEASED, 0)] += len(durations)
+            in_seconds, of_ttl = _histograms(durations, ttl)
+            for bucket, in_bucket in in_seconds.items():
+                pending[(*where, series.HOLD_SECONDS, bucket)] += in_bucket
+            for bucket, in_bucket in of_ttl.items():
+                pending[(*where, series.HOLD_OF_TTL, bucket)] += in_bucket
+            buckets[alias].update(in_seconds)
+            seconds[alias] += fsum(durations)
+        for alias, bucket_counts in buckets.items():
+            prometheus.observe_holds(alias, bucket_counts, seconds[alias])
+
+    def _count_events(self, period, prefix, events):
+        pending = self._pending
+        for kind, alias, name, *details in events:
+            if kind == _REJECTION:
+                # Counted for Prometheus only: the store's figures count FencingRejection rows,
+                # the durable log that also names the rows and tokens involved.
+                prometheus.count_rejection(alias)
             elif kind == _LOST:
-                pending[(*where, series.LOST, 0)] += count
-                prometheus.count_lost(alias, count)
+                pending[(period, alias, prefix(name), series.LOST, 0)] += 1
+                prometheus.count_lost(alias)
             else:
                 outcome = details[0]
                 bucket = series.TASK_OUTCOMES.index(outcome) if outcome in series.TASK_OUTCOMES else 0
-                pending[(*where, series.TASK_CONFLICT, bucket)] += count
-                prometheus.count_task_conflict(alias, outcome, count)
-        for (alias, result), buckets in acquire_buckets.items():
-            prometheus.observe_acquisitions(alias, result, buckets, seconds_sums[(_ACQUIRE, alias, result)])
-        for alias, buckets in hold_buckets.items():
-            prometheus.observe_holds(alias, buckets, seconds_sums[(_RELEASE, alias)])
+                pending[(period, alias, prefix(name), series.TASK_CONFLICT, bucket)] += 1
+                prometheus.count_task_conflict(alias, outcome)
 
     def pending(self):
         """Return a copy of the counts not yet in the store: ``{(period_start, alias, prefix, series, bucket): n}``."""
@@ -278,8 +370,9 @@ class Recorder:
 
     def _forget_after_fork(self):
         # The parent flushes its own counts; a lock held by one of its threads during fork() would
-        # never be released here.
-        self._events = deque()
+        # never be released here. The next event reads ENABLED again and starts this process's thread.
+        self._acquisitions, self._releases, self._events = [], [], []
+        self._recording = None
         self._pending = Counter()
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()

@@ -39,7 +39,7 @@ HISTOGRAMS = {
 
 
 def bucket_of(bounds, value):
-    """Return the index of the bucket counting ``value`` (the recorder inlines this ``bisect_left``)."""
+    """Return the index of the bucket counting ``value`` (the recorder counts whole groups at once, alike)."""
     return bisect.bisect_left(bounds, value)
 
 
