@@ -1,10 +1,12 @@
 """Who holds a lock: the random owner id and the host/pid/task id stored beside it for operators."""
 
 import contextvars
+import json
 import os
 import secrets
 import socket
 from dataclasses import dataclass
+from json.encoder import encode_basestring
 
 #: The Celery task id of the run in progress, set by ``distlock.celery`` so lock records name their task.
 current_task_id = contextvars.ContextVar("distlock_current_task_id", default="")
@@ -25,3 +27,23 @@ def new_owner():
 def current_holder():
     """Return the host, pid and Celery task id of the caller."""
     return Holder(host=socket.gethostname(), pid=os.getpid(), task_id=current_task_id.get())
+
+
+#: (holder, its JSON members) of the last ``holder_record()`` call: encoded again only when the holder changes.
+_encoded_holder = (None, "")
+
+
+def holder_record(**fields):
+    """Return the JSON object of ``fields`` (str values) and the caller's host, pid and Celery task id.
+
+    The record backends store beside a lock, written on every acquisition: the holder's part is
+    encoded once per holder, the call's own fields (owner id, time) each time.
+    """
+    global _encoded_holder  # noqa: PLW0603 - a one-entry cache; replacing the tuple is atomic
+    holder = current_holder()
+    cached, encoded = _encoded_holder
+    if cached != holder:
+        encoded = json.dumps({"host": holder.host, "pid": holder.pid, "task_id": holder.task_id})[1:-1]
+        _encoded_holder = (holder, encoded)
+    members = [f"{encode_basestring(name)}: {encode_basestring(value)}" for name, value in fields.items()]
+    return "{" + ", ".join([*members, encoded]) + "}"

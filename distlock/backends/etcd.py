@@ -19,7 +19,7 @@ from distlock.backends.base import (
     refuse_after_late_grants,
 )
 from distlock.exceptions import BackendUnavailable, LockNotAcquired
-from distlock.holder import current_holder, new_owner
+from distlock.holder import holder_record, new_owner
 
 logger = logging.getLogger("distlock.backends.etcd")
 
@@ -500,13 +500,11 @@ class EtcdBackend(BaseLockBackend):
     def _lock_prefix(self, name):
         return self._prefix + quote(name, safe="").encode() + b"/"
 
-    def _record(self, owner):
+    @staticmethod
+    def _record(owner):
         """Return the value stored in a contender's key, and its wall-clock creation time."""
-        holder = current_holder()
         now = datetime.now(timezone.utc)
-        value = json.dumps({"owner": owner, "host": holder.host, "pid": holder.pid, "task_id": holder.task_id,
-                            "created_at": now.isoformat()})
-        return value.encode(), now
+        return holder_record(owner=owner, created_at=now.isoformat()).encode(), now
 
     # -- acquiring -------------------------------------------------------------------------------
 

@@ -48,7 +48,7 @@ from distlock.backends.base import (
     positive_number,
 )
 from distlock.exceptions import BackendUnavailable
-from distlock.holder import current_holder
+from distlock.holder import holder_record
 
 logger = logging.getLogger("distlock.redis")
 
@@ -308,7 +308,6 @@ class RedisBackend(BaseLockBackend):
         self._lock_prefix = f"{prefix}:lock:"
         self._connections = None
         self._connections_lock = threading.Lock()
-        self._metadata = None
 
     # -- connections ------------------------------------------------------------------------------
 
@@ -399,7 +398,7 @@ class RedisBackend(BaseLockBackend):
     def _try_acquire(self, attempt):
         name, owner, ttl, blocking = attempt.name, attempt.owner, attempt.ttl, attempt.blocking
         lock, queue, alive, wake = self._keys(name)
-        metadata = self._holder_metadata()
+        metadata = holder_record()
         reply = self._run(_ACQUIRE, (lock, self._token_key, queue, alive, wake),
                           (owner, math.ceil(ttl * 1000), metadata, "1" if blocking else "0",
                            int(WAITER_TTL * 1000)),
@@ -409,15 +408,6 @@ class RedisBackend(BaseLockBackend):
             return None
         token, acquired_us = reply[1], reply[2]
         return Grant(token=token, acquired_at=datetime.fromtimestamp(acquired_us / 1e6, timezone.utc))
-
-    def _holder_metadata(self):
-        """Return the JSON of host, pid and Celery task id stored with the lock, built once per holder."""
-        holder = current_holder()
-        cached = self._metadata
-        if cached is None or cached[0] != holder:
-            cached = self._metadata = (holder, json.dumps(
-                {"host": holder.host, "pid": holder.pid, "task_id": holder.task_id}))
-        return cached[1]
 
     def _wait_for_release(self, attempt, remaining):
         """Block on this waiter's wake list until the release hands it the lock, or the server's hint runs out.

@@ -43,7 +43,7 @@ from distlock.backends.base import (
     refuse_after_late_grants,
 )
 from distlock.exceptions import BackendUnavailable, LockNotAcquired
-from distlock.holder import current_holder, new_owner
+from distlock.holder import holder_record, new_owner
 
 # -- Znode layout and protocol ---------------------------------------------------------------------
 #
@@ -185,9 +185,7 @@ class _Contender:
         self.parent = parent
         self.owner = owner
         self.prefix = f"{owner}-{kind}-"
-        holder = current_holder()
-        self.data = json.dumps({"owner": owner, "host": holder.host, "pid": holder.pid,
-                                "task_id": holder.task_id}).encode()
+        self.data = holder_record(owner=owner).encode()
         #: Full path of our node once its create answered; None before.
         self.path = None
         #: The node's czxid once created, its mzxid once re-stamped at the grant.
