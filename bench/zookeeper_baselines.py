@@ -8,10 +8,13 @@
   token), then multi[delete node, delete parent]. Two requests, both transactions, and no empty
   znode left.
 
+- the protocol floor: a bare create and delete of one znode, the two writes any ZooKeeper lock makes.
+
 Both sides make two transactions per acquire+release (any ZooKeeper lock must write twice); what
 distlock saves is requests and round trips. The ops/s ratio therefore depends on how much a read
-round trip costs next to a transaction on the machine at hand; the requests and transactions the
-ensemble counted are printed as the load-free view.
+round trip costs next to a transaction on the machine at hand: the floor's ratio over kazoo is the
+ceiling of that run. The requests and transactions the ensemble counted are printed as the
+load-free view.
 
 Target (issue 3): uncontended acquire+release ≥ 1.5× kazoo's ``Lock``. Contended figures (4 processes,
 one key) are printed beside kazoo's. Afterwards the script counts the znodes each left behind:
@@ -44,6 +47,7 @@ from tests.servers.zookeeper import four_letter_word
 KAZOO_RATIO_TARGET = 1.5
 
 KAZOO_ROOT = "/bench-kazoo-lock"
+FLOOR_ROOT = "/bench-floor"
 
 
 def _kazoo_client(hosts):
@@ -77,6 +81,19 @@ def kazoo_lock(hosts, reuse=False):
         return lock
 
     return Contender(acquire, lambda lock: lock.release())
+
+
+def floor(hosts):
+    """The protocol floor: the two writes any ZooKeeper lock makes (create its znode, delete it), nothing else.
+
+    Not a lock (it never looks whether another znode holds the name): uncontended only. Its ops/s
+    over kazoo's are the most any ZooKeeper lock can gain on kazoo in the same run, since both write twice.
+    """
+    from distlock.backends.zookeeper import encode_name  # noqa: PLC0415
+
+    client = _kazoo_client(hosts)
+    client.ensure_path(FLOOR_ROOT)
+    return Contender(lambda name: client.create(f"{FLOOR_ROOT}/{encode_name(name)}", ephemeral=True), client.delete)
 
 
 def zookeeper_aliases():
@@ -138,10 +155,11 @@ def run(*, seconds=0.25, rounds=10, contended_seconds=2.0, contended_rounds=3):
     backend = ContenderSpec(f"distlock '{alias}' (backend only)", "bench.harness.backend_contender", {"alias": alias})
     kazoo = ContenderSpec("kazoo Lock (new per acquire)", f"{here}.kazoo_lock", {"hosts": hosts})
     kazoo_reused = ContenderSpec("kazoo Lock (reused per name)", f"{here}.kazoo_lock", {"hosts": hosts, "reuse": True})
+    bare = ContenderSpec("floor: bare create + delete", f"{here}.floor", {"hosts": hosts})
 
     print(f"\n== ZooKeeper baselines: alias '{alias}' against kazoo's Lock on the same ensemble ({hosts}) ==")
     before = {root: count_znodes(hosts, root), KAZOO_ROOT: count_znodes(hosts, KAZOO_ROOT)}
-    alone = uncontended([api, backend, kazoo, kazoo_reused], seconds=seconds, rounds=rounds)
+    alone = uncontended([api, backend, kazoo, kazoo_reused, bare], seconds=seconds, rounds=rounds)
     print_uncontended(alone, f"Uncontended acquire+release, 1 process ({rounds} interleaved rounds of {seconds:g} s, "
                              "median ops/s)")
     together = contended([api, kazoo], seconds=contended_seconds, rounds=contended_rounds)
@@ -163,6 +181,10 @@ def run(*, seconds=0.25, rounds=10, contended_seconds=2.0, contended_rounds=3):
     for spec in (api, backend):
         ratio = alone[spec.label].ops / reused_ops
         print(f"  {spec.label + ' vs kazoo Lock reused:':<52}{ratio:5.2f}x  (for reference)")
+    ceiling = alone[bare.label].ops / kazoo_ops
+    print(f"  {'(ceiling) floor vs kazoo Lock:':<52}{ceiling:5.2f}x  (the most any lock making two writes "
+          "could reach in this run)")
+    print(f"  {backend.label + ' vs the floor:':<52}{alone[backend.label].ops / alone[bare.label].ops:5.2f}x")
     handoff_ratio = together[api.label].median("handoffs") / max(together[kazoo.label].median("handoffs"), 1e-9)
     print(f"  {'contended hand-offs/s vs kazoo Lock:':<52}{handoff_ratio:5.2f}x  "
           f"(Jain {together[api.label].median('jain'):.3f} vs {together[kazoo.label].median('jain'):.3f})")
