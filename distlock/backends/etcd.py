@@ -618,8 +618,7 @@ class EtcdBackend(BaseLockBackend):
     def _take_slot(self, contender, session):
         """Give ``contender`` a key of ``session``: the lowest slot of its lock no acquire call here is using."""
         with self._lock:
-            if contender.session is not None:
-                self._free_slot(contender.session, contender.name, contender.slot, contender.owner)
+            self._free_slot(contender)
             taken = session.slots.setdefault(contender.name, {})
             slot = next(number for number in range(len(taken) + 1) if number not in taken)
             taken[slot] = contender.owner
@@ -627,17 +626,18 @@ class EtcdBackend(BaseLockBackend):
         contender.key = contender.lock_prefix + f"{session.id:x}-{slot}".encode()
 
     @staticmethod
-    def _free_slot(session, name, slot, owner):
-        """Let later acquire calls reuse a slot whose key is gone (call with ``_lock`` held).
+    def _free_slot(user):
+        """Let later acquire calls reuse the slot of ``user`` (a ``_Contender`` or ``_Held``), whose key is gone.
 
-        Only the acquire call that took the slot frees it (``owner``): a lease released after the
-        background thread expired its key must not free the slot a later call is using.
+        Call with ``_lock`` held. Only the acquire call that took the slot frees it (``user.owner``): a
+        lease released after the background thread expired its key must not free the slot a later
+        call is using. A contender that has not queued on a session yet has no slot.
         """
-        taken = session.slots.get(name)
-        if taken is not None and taken.get(slot) == owner:
-            del taken[slot]
+        taken = user.session.slots.get(user.name) if user.session is not None else None
+        if taken is not None and taken.get(user.slot) == user.owner:
+            del taken[user.slot]
             if not taken:
-                del session.slots[name]
+                del user.session.slots[user.name]
 
     def _abandon(self, contender, reason):
         """Delete the key of an acquire call that leaves without the lock: now, or from the background thread.
@@ -654,8 +654,7 @@ class EtcdBackend(BaseLockBackend):
                 reason = exc
         with self._lock:
             if not contender.may_exist:
-                if contender.session is not None:
-                    self._free_slot(contender.session, contender.name, contender.slot, contender.owner)
+                self._free_slot(contender)
                 return
             # The slot stays taken: the key may still exist, and nobody else may use it.
             self._orphan_keys.add(contender.key)
@@ -769,7 +768,7 @@ class EtcdBackend(BaseLockBackend):
                 continue
             with self._lock:
                 self._forget_expiry(held)
-                self._free_slot(held.session, held.name, held.slot, held.owner)
+                self._free_slot(held)
 
     # -- the background thread -------------------------------------------------------------------
 
@@ -853,7 +852,7 @@ class EtcdBackend(BaseLockBackend):
             self._wake_keeper()
             raise
         with self._lock:  # deleted now, or gone before (expired, force-released): the slot is free
-            self._free_slot(handle.session, handle.name, handle.slot, handle.owner)
+            self._free_slot(handle)
         return response.succeeded
 
     def session_valid_until(self, lease):
