@@ -29,7 +29,8 @@ def current_holder():
     return Holder(host=socket.gethostname(), pid=os.getpid(), task_id=current_task_id.get())
 
 
-#: (holder, its JSON members) of the last ``holder_record()`` call: encoded again only when the holder changes.
+#: ((pid, task id), the holder's JSON members) of the last ``holder_record()`` call: encoded again, with
+#: the host name, only when the process (a fork) or the Celery task changes.
 _encoded_holder = (None, "")
 
 
@@ -40,10 +41,11 @@ def holder_record(**fields):
     encoded once per holder, the call's own fields (owner id, time) each time.
     """
     global _encoded_holder  # noqa: PLW0603 - a one-entry cache; replacing the tuple is atomic
-    holder = current_holder()
+    holder = (os.getpid(), current_task_id.get())
     cached, encoded = _encoded_holder
     if cached != holder:
-        encoded = json.dumps({"host": holder.host, "pid": holder.pid, "task_id": holder.task_id})[1:-1]
+        pid, task_id = holder
+        encoded = json.dumps({"host": socket.gethostname(), "pid": pid, "task_id": task_id})[1:-1]
         _encoded_holder = (holder, encoded)
     members = [f"{encode_basestring(name)}: {encode_basestring(value)}" for name, value in fields.items()]
     return "{" + ", ".join([*members, encoded]) + "}"

@@ -5,6 +5,7 @@ import random
 import time
 from dataclasses import dataclass
 from datetime import datetime
+from typing import NamedTuple
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -58,8 +59,7 @@ def optional_positive_number(value):
     return None if value is None else positive_number(value)
 
 
-@dataclass(frozen=True)
-class Grant:
+class Grant(NamedTuple):
     """What a backend's successful acquisition attempt reports; the base class turns it into a ``Lease``."""
 
     #: The fencing token the server issued.
