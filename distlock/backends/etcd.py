@@ -1,5 +1,6 @@
 """etcd v3 backend: a FIFO queue of keys per lock, one session lease per process, revisions as fencing tokens."""
 
+import functools
 import heapq
 import json
 import logging
@@ -8,6 +9,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import NamedTuple
 from urllib.parse import quote, unquote
 
 import grpc
@@ -49,10 +51,12 @@ logger = logging.getLogger("distlock.backends.etcd")
 # tokens other names were granted meanwhile). So every token exceeds every token granted before it,
 # for any name of the cluster. The create revision stays the key's identity for release and extend.
 #
-# Waiting. A waiter watches only the key just before its own (no herd), from the revision at which
-# it saw that key, so a deletion in between is not missed; whatever wakes it (the deletion - a
-# release, a ttl running out, a session lease expiring - or a broken watch stream) it re-reads
-# its place with TURN before believing anything.
+# Waiting. A waiter watches only the key just before its own (no herd). The watch starts at the
+# member's current revision (a watch starting in the past waits for etcd's 100 ms catch-up loop);
+# if that is later than the revision at which the waiter saw the key, it reads the key once more,
+# so a deletion in between is not missed. Whatever wakes it (the deletion - a release, a ttl
+# running out, a session lease expiring - or a broken watch stream) it re-reads its place with
+# TURN before believing anything.
 #
 # The per-call ttl is enforced by this process: a background thread deletes the key with RELEASE
 # when it runs out unless the lease was extended. etcd frees the locks of a dead or paused process
@@ -64,6 +68,12 @@ _GREATER = etcdrpc.Compare.GREATER
 _BY_CREATE = etcdrpc.RangeRequest.CREATE
 _ASCEND = etcdrpc.RangeRequest.ASCEND
 _DESCEND = etcdrpc.RangeRequest.DESCEND
+
+
+@functools.lru_cache(maxsize=1024)
+def _lock_prefix(prefix, name):
+    """Return the prefix of the keys of lock ``name`` (see Keys above)."""
+    return prefix + quote(name, safe="").encode() + b"/"
 
 
 def _range_end(prefix):
@@ -95,8 +105,19 @@ def acquire_txn(lock_prefix, key, value, lease_id, enqueue):
 
     Idempotent for one key, so a request whose answer was lost is simply sent again.
     """
+    request = etcdrpc.TxnRequest()
+    request.CopyFrom(_acquire_template(lock_prefix, key, lease_id, enqueue))
+    request.success[0].request_put.value = value
+    if enqueue:
+        request.failure[2].request_put.value = value
+    return request
+
+
+@functools.lru_cache(maxsize=1024)
+def _acquire_template(lock_prefix, key, lease_id, enqueue):
+    """ACQUIRE for one key, without the value: shared, so only ever copied (a copy costs 1/8 of building it)."""
     lock_end = _range_end(lock_prefix)
-    put = etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=key, value=value, lease=lease_id))
+    put = etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=key, lease=lease_id))
     failure = [_key_range(key), _queue_range(lock_prefix, lock_end, sort_order=_ASCEND, limit=1)]
     if enqueue:
         failure += [put, _queue_range(lock_prefix, lock_end, sort_order=_DESCEND, limit=2)]
@@ -143,8 +164,17 @@ def extend_txn(key, create_revision):
 
 def release_txn(key, create_revision):
     """RELEASE: If create_revision(key) == ours Then delete(key) - never deletes a later incarnation of the key."""
+    request = etcdrpc.TxnRequest()
+    request.CopyFrom(_release_template(key))
+    request.compare[0].create_revision = create_revision
+    return request
+
+
+@functools.lru_cache(maxsize=1024)
+def _release_template(key):
+    """RELEASE for one key, without the revision: shared, so only ever copied."""
     return etcdrpc.TxnRequest(
-        compare=[etcdrpc.Compare(result=_EQUAL, target=_CREATE, key=key, create_revision=create_revision)],
+        compare=[etcdrpc.Compare(result=_EQUAL, target=_CREATE, key=key)],
         success=[etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=key))],
     )
 
@@ -284,9 +314,14 @@ class _Connection:
 
         return self.call("keep the session lease alive", invoke, deadline)
 
-    def wait_for_deletion(self, key, start_revision, until):
-        """Return once ``key`` is deleted at or after ``start_revision``, the watch stream ends, or ``until`` passes.
+    def wait_for_deletion(self, key, create_revision, seen_at, until):
+        """Return once incarnation ``create_revision`` of ``key``, alive at revision ``seen_at``, is deleted,
+        the watch stream ends, or ``until`` passes.
 
+        The watch starts at the member's current revision, not at ``seen_at + 1``: etcd serves a watch
+        that starts in the past from a catch-up loop that runs every 100 ms, which would add up to
+        100 ms to each hand-off of a busy lock (other waiters write in between). A deletion between
+        ``seen_at`` and the start of the watch is caught by reading the key once the watch exists.
         The caller re-reads the queue whatever woke it, so a stream that broke (its member stopped or
         lost the leader) wakes the waiter instead of leaving it blocked.
         """
@@ -295,7 +330,7 @@ class _Connection:
             return
         channel = self._channel()
         request = etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(
-            key=key, start_revision=start_revision, filters=[etcdrpc.WatchCreateRequest.NOPUT]))
+            key=key, filters=[etcdrpc.WatchCreateRequest.NOPUT]))
         try:
             stream = channel.watch.Watch(iter([request]), timeout=timeout, metadata=_REQUIRE_LEADER)
         except ValueError:  # the channel was closed by close(); the next request reports it
@@ -303,6 +338,10 @@ class _Connection:
         try:
             for response in stream:
                 if response.events or response.canceled or response.compact_revision:
+                    return
+                # The watch reports every deletion after header.revision, the revision it started at.
+                if response.created and response.header.revision > seen_at and not self._still_there(
+                        channel, key, create_revision, until):
                     return
         except grpc.RpcError as exc:
             if exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
@@ -312,6 +351,13 @@ class _Connection:
                 time.sleep(min(0.05, max(until - time.monotonic(), 0)))  # do not spin on a member that is down
         finally:
             stream.cancel()
+
+    @staticmethod
+    def _still_there(channel, key, create_revision, until):
+        """Return True if incarnation ``create_revision`` of ``key`` exists now (a linearizable read)."""
+        kvs = channel.kv.Range(etcdrpc.RangeRequest(key=key, keys_only=True),
+                               timeout=max(until - time.monotonic(), 0.001), metadata=_REQUIRE_LEADER).kvs
+        return bool(kvs) and kvs[0].create_revision == create_revision
 
     def close(self):
         with self._lock:
@@ -369,8 +415,7 @@ class _Contender:
     late_grants: int = 0
 
 
-@dataclass(frozen=True)
-class _Held:
+class _Held(NamedTuple):
     """``Lease.handle``: the key that holds the lock, its create revision (its identity), its session and slot."""
 
     key: bytes
@@ -498,7 +543,7 @@ class EtcdBackend(BaseLockBackend):
         self._keeper_stop = None
 
     def _lock_prefix(self, name):
-        return self._prefix + quote(name, safe="").encode() + b"/"
+        return _lock_prefix(self._prefix, name)
 
     @staticmethod
     def _record(owner):
@@ -558,17 +603,20 @@ class EtcdBackend(BaseLockBackend):
         else:
             newest = response.responses[3].response_range.kvs
             contender.revision = newest[0].create_revision
-            predecessor = newest[1].key if len(newest) > 1 else None
+            predecessor = newest[1] if len(newest) > 1 else None
         return self._wait_in_queue(contender, session, predecessor, response.header.revision, ttl, deadline, timeout)
 
     def _wait_in_queue(self, contender, session, predecessor, seen_at, ttl, deadline, timeout):
-        """Wait until no key is left before ours; return the Lease, or None if our key is gone."""
+        """Wait until no key is left before ours; return the Lease, or None if our key is gone.
+
+        ``predecessor`` is the key-value of the key just before ours as read at revision ``seen_at``.
+        """
         while True:
             if predecessor is not None:
                 until = time.monotonic() + self._connection.timeout
                 if deadline is not None:
                     until = min(until, deadline)
-                self._connection.wait_for_deletion(predecessor, seen_at + 1, until)
+                self._connection.wait_for_deletion(predecessor.key, predecessor.create_revision, seen_at, until)
             acquired_at = datetime.now(timezone.utc)
             started = time.monotonic()
             contender.attempts += 1
@@ -585,7 +633,7 @@ class EtcdBackend(BaseLockBackend):
                             contender.name)
                 contender.may_exist = False
                 return None
-            predecessor, seen_at = (before[0].key if before else None), response.header.revision
+            predecessor, seen_at = (before[0] if before else None), response.header.revision
             if deadline is not None and time.monotonic() >= deadline:
                 raise LockNotAcquired(self._not_acquired_message(contender.name, True, timeout))
 
@@ -618,9 +666,14 @@ class EtcdBackend(BaseLockBackend):
     def _take_slot(self, contender, session):
         """Give ``contender`` a key of ``session``: the lowest slot of its lock no acquire call here is using."""
         with self._lock:
-            self._free_slot(contender)
-            taken = session.slots.setdefault(contender.name, {})
-            slot = next(number for number in range(len(taken) + 1) if number not in taken)
+            if contender.session is not None:
+                self._free_slot(contender)
+            taken = session.slots.get(contender.name)
+            if taken is None:  # the usual case: nobody else here wants this lock
+                session.slots[contender.name] = taken = {}
+                slot = 0
+            else:
+                slot = next(number for number in range(len(taken) + 1) if number not in taken)
             taken[slot] = contender.owner
         contender.session, contender.slot = session, slot
         contender.key = contender.lock_prefix + f"{session.id:x}-{slot}".encode()
@@ -665,10 +718,13 @@ class EtcdBackend(BaseLockBackend):
 
     def _live_session(self, caller_deadline):
         """Return the session lease, granting one if there is none (one round trip, the first time only)."""
+        session = self._session
+        if session is not None and session.lost is None and time.monotonic() < session.valid_until:
+            return session
         with self._session_grant_lock:
             session = self._session
             if session is not None and session.lost is None and time.monotonic() < session.valid_until:
-                return session
+                return session  # granted by the call that held the grant lock before us
             if session is not None:
                 self._session_lost(session, "its keepalive did not get through in time")
             sent = time.monotonic()

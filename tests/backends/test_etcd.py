@@ -329,6 +329,38 @@ def test_a_waiter_is_woken_after_its_watch_stream_breaks(configure, cluster, res
     result["lease"].release()
 
 
+def test_a_release_just_before_the_waiter_s_watch_starts_wakes_it(configure, lock_name):
+    """The watch starts at the member's current revision; a deletion after the waiter saw its predecessor
+    but before the watch exists is caught by reading the key again, not by the periodic re-check."""
+    holder_alias, waiter_alias = configure(etcd_holder={}, etcd_waiter={"TIMEOUT": 10})
+    holder = distlock.acquire(lock_name, ttl=60, using=holder_alias)
+    released = []
+
+    class ReleaseFirst:
+        """The waiter's watch stub: the holder releases right before the watch is created."""
+
+        def __init__(self, stub):
+            self.stub = stub
+
+        def Watch(self, *args, **kwargs):  # noqa: N802 - the gRPC method's name
+            if not released:
+                released.append(time.monotonic())
+                holder.release()
+            return self.stub.Watch(*args, **kwargs)
+
+    connection = locks[waiter_alias]._connection
+    connection._channel()  # opens the channels
+    for channel in connection._channels:
+        channel.watch = ReleaseFirst(channel.watch)
+    thread, result = acquire_in_thread(lock_name, ttl=30, timeout=30, using=waiter_alias)
+    thread.join(30)
+    assert released, "the waiter never watched"
+    assert "lease" in result, result
+    assert result["at"] - released[0] < 2, "woken by the read behind the watch, not by the re-check after TIMEOUT=10"
+    assert result["lease"].token > holder.token
+    result["lease"].release()
+
+
 def test_a_waiter_whose_session_lease_was_revoked_queues_again(configure, cluster, prefix, lock_name):
     """The waiter's key vanished with its lease: it must not take the lock on a dead lease (etcd issue 11456).
 
