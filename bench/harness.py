@@ -90,8 +90,11 @@ def uncontended(specs, *, seconds=0.25, rounds=8):
         name = f"bench:warmup:{uuid.uuid4().hex}"
         for _ in range(20):
             contender.release(contender.acquire(name))
-    for _ in range(rounds):
-        for label, contender in contenders:
+    for round_index in range(rounds):
+        # Each round starts one contender later: none always runs right after the same one (a server
+        # still busy with the previous contender's leftovers would always slow the same one).
+        shift = round_index % len(contenders)
+        for label, contender in contenders[shift:] + contenders[:shift]:
             name = f"bench:uncontended:{uuid.uuid4().hex}"
             acquire, release, clock = contender.acquire, contender.release, time.perf_counter_ns
             latencies = results[label].latencies_ns
