@@ -264,7 +264,7 @@ def round_options(prog, description, argv):
     parser = argparse.ArgumentParser(prog=prog, description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=0.25, help="length of an uncontended round (default 0.25)")
-    parser.add_argument("--rounds", type=int, default=10, help="uncontended rounds (default 10)")
+    parser.add_argument("--rounds", type=int, default=20, help="uncontended rounds (default 20)")
     parser.add_argument("--contended-seconds", type=float, default=2.0, help="length of a contended round (default 2)")
     parser.add_argument("--contended-rounds", type=int, default=3, help="contended rounds (default 3)")
     return vars(parser.parse_args(argv))

@@ -53,7 +53,7 @@ def redlock_aliases():
             and len(entry.get("OPTIONS", {}).get("URLS", ())) >= 5]
 
 
-def run(*, seconds=0.25, rounds=10, contended_seconds=2.0, contended_rounds=3):
+def run(*, seconds=0.25, rounds=20, contended_seconds=2.0, contended_rounds=3):
     """Print the baselines against the first Redlock alias with 5 masters or more, and the ratio to the target."""
     aliases = redlock_aliases()
     if not aliases:

@@ -141,7 +141,7 @@ def server_work(spec, hosts, cycles=200):
     return (received_after - received) / cycles, (zxid_after - zxid) / cycles
 
 
-def run(*, seconds=0.25, rounds=10, contended_seconds=2.0, contended_rounds=3):
+def run(*, seconds=0.25, rounds=20, contended_seconds=2.0, contended_rounds=3):
     """Print the baselines against the first ZooKeeper alias, and the ratio against the target."""
     aliases = zookeeper_aliases()
     if not aliases:
