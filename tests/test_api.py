@@ -1,13 +1,20 @@
 """The public API's arguments, the alias handler and the renewal thread, on the in-process backend."""
 
+import json
+import os
+import socket
+import sys
 import threading
 import time
+import unicodedata
 
 import pytest
 
 import distlock
+from distlock import holder
 from distlock.handler import LockHandler, locks
 from distlock.renewal import Renewer
+from distlock.validation import validate_name
 
 ALIAS = "locmem"
 
@@ -21,6 +28,33 @@ def test_locks_returns_one_backend_per_alias_and_is_thread_safe():
     for thread in threads:
         thread.join()
     assert len({id(backend) for backend in seen}) == 1
+
+
+def test_names_are_refused_for_exactly_the_control_characters_and_lone_surrogates():
+    refused = []
+    for code_point in range(sys.maxunicode + 1):
+        try:
+            validate_name(f"a{chr(code_point)}b")
+        except ValueError:
+            refused.append(code_point)
+    assert refused == [code_point for code_point in range(sys.maxunicode + 1)
+                       if unicodedata.category(chr(code_point)) in ("Cc", "Cs")]
+
+
+def test_the_holder_record_follows_the_celery_task_and_a_fork(monkeypatch):
+    def record():
+        return json.loads(holder.holder_record(owner="o\"wner", created_at="now"))
+
+    token = holder.current_task_id.set("task-1")
+    try:
+        assert record() == {"owner": 'o"wner', "created_at": "now", "host": socket.gethostname(),
+                            "pid": os.getpid(), "task_id": "task-1"}
+        holder.current_task_id.set("task-2")
+        assert record()["task_id"] == "task-2"
+    finally:
+        holder.current_task_id.reset(token)
+    monkeypatch.setattr(os, "getpid", lambda: 4242)
+    assert record()["pid"] == 4242
 
 
 def test_unknown_alias_is_an_improperly_configured():
