@@ -5,7 +5,6 @@ import random
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from typing import NamedTuple
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -59,7 +58,8 @@ def optional_positive_number(value):
     return None if value is None else positive_number(value)
 
 
-class Grant(NamedTuple):
+@dataclass(frozen=True)
+class Grant:
     """What a backend's successful acquisition attempt reports; the base class turns it into a ``Lease``."""
 
     #: The fencing token the server issued.
