@@ -70,9 +70,13 @@ _ASCEND = etcdrpc.RangeRequest.ASCEND
 _DESCEND = etcdrpc.RangeRequest.DESCEND
 
 
-@functools.lru_cache(maxsize=1024)
-def _lock_prefix(prefix, name):
-    """Return the prefix of the keys of lock ``name`` (see Keys above)."""
+#: Lock names, keys and templates remembered: the recent ones, so a process touching many names stays small.
+_CACHED = 1024
+
+
+@functools.lru_cache(maxsize=_CACHED)
+def _keys_of_lock(prefix, name):
+    """Return the prefix of the keys of lock ``name`` (see Keys above): percent-encoding a name is not free."""
     return prefix + quote(name, safe="").encode() + b"/"
 
 
@@ -113,7 +117,7 @@ def acquire_txn(lock_prefix, key, value, lease_id, enqueue):
     return request
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=_CACHED)
 def _acquire_template(lock_prefix, key, lease_id, enqueue):
     """ACQUIRE for one key, without the value: shared, so only ever copied (a copy costs 1/8 of building it)."""
     lock_end = _range_end(lock_prefix)
@@ -170,7 +174,7 @@ def release_txn(key, create_revision):
     return request
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=_CACHED)
 def _release_template(key):
     """RELEASE for one key, without the revision: shared, so only ever copied."""
     return etcdrpc.TxnRequest(
@@ -543,7 +547,7 @@ class EtcdBackend(BaseLockBackend):
         self._keeper_stop = None
 
     def _lock_prefix(self, name):
-        return _lock_prefix(self._prefix, name)
+        return _keys_of_lock(self._prefix, name)
 
     @staticmethod
     def _record(owner):

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import distlock
-from distlock.backends.etcd import EtcdBackend, _range_end
+from distlock.backends.etcd import EtcdBackend, _range_end, acquire_txn, release_txn
 from distlock.handler import locks
 from distlock.signals import lock_lost
 from tests.conftest import require_alias
@@ -87,6 +87,18 @@ def test_a_lock_s_key_range_holds_only_its_own_keys(name, other):
 def test_held_locks_prefix_matches_exactly_the_names_that_start_with_it(name, prefix):
     encoded_name, encoded_prefix = quote(name, safe="").encode(), quote(prefix, safe="").encode()
     assert encoded_name.startswith(encoded_prefix) == name.startswith(prefix)
+
+
+def test_requests_copied_from_one_template_keep_their_own_value_and_revision():
+    first, second = (acquire_txn(b"/p/n/", b"/p/n/1-0", value, 7, True) for value in (b"one", b"two"))
+    assert first.success[0].request_put.value == first.failure[2].request_put.value == b"one"
+    assert second.success[0].request_put.value == second.failure[2].request_put.value == b"two"
+    second.success[0].request_put.value = b"one"
+    second.failure[2].request_put.value = b"one"
+    assert second == first and second.success[0].request_put.lease == 7
+    assert len(acquire_txn(b"/p/n/", b"/p/n/1-0", b"one", 7, False).failure) == 2, "no enqueue: no put, no tail read"
+    releases = [release_txn(b"/p/n/1-0", revision) for revision in (5, 6)]
+    assert [release.compare[0].create_revision for release in releases] == [5, 6]
 
 
 def test_range_end():
