@@ -393,6 +393,10 @@ class _Session:
         #: Slots in use, per lock name: {name: {slot: owner of the acquire call using it}}.
         self.slots = {}
 
+    def usable(self, now):
+        """Return True if locks may be granted on this session at ``now`` (monotonic): not lost, not run out."""
+        return self.lost is None and now < self.valid_until
+
 
 @dataclass
 class _Contender:
@@ -647,7 +651,7 @@ class EtcdBackend(BaseLockBackend):
         now = time.monotonic()
         late = now - started >= ttl
         with self._lock:
-            usable = session.lost is None and now < session.valid_until and not late
+            usable = session.usable(now) and not late
             if usable:
                 handle = _Held(contender.key, contender.revision, session, contender.name, contender.slot,
                                contender.owner)
@@ -723,11 +727,11 @@ class EtcdBackend(BaseLockBackend):
     def _live_session(self, caller_deadline):
         """Return the session lease, granting one if there is none (one round trip, the first time only)."""
         session = self._session
-        if session is not None and session.lost is None and time.monotonic() < session.valid_until:
+        if session is not None and session.usable(time.monotonic()):
             return session
         with self._session_grant_lock:
             session = self._session
-            if session is not None and session.lost is None and time.monotonic() < session.valid_until:
+            if session is not None and session.usable(time.monotonic()):
                 return session  # granted by the call that held the grant lock before us
             if session is not None:
                 self._session_lost(session, "its keepalive did not get through in time")
