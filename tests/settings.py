@@ -65,6 +65,9 @@ if os.environ.get("DISTLOCK_TEST_REDIS_URL"):
 if os.environ.get("DISTLOCK_TEST_REDLOCK_URLS"):
     DISTLOCK["redlock"] = {"BACKEND": "distlock.backends.redlock.RedlockBackend",
                            "OPTIONS": {"URLS": os.environ["DISTLOCK_TEST_REDLOCK_URLS"].split(",")}}
+    # Processes that load the CPU on purpose (tests/thread_churn.py) give the masters longer to answer.
+    if os.environ.get("DISTLOCK_TEST_REDLOCK_NODE_TIMEOUT"):
+        DISTLOCK["redlock"]["OPTIONS"]["NODE_TIMEOUT"] = float(os.environ["DISTLOCK_TEST_REDLOCK_NODE_TIMEOUT"])
 
 if os.environ.get("DISTLOCK_TEST_ZK_HOSTS"):
     DISTLOCK["zookeeper"] = {"BACKEND": "distlock.backends.zookeeper.ZooKeeperBackend",

@@ -58,6 +58,11 @@ def optional_positive_number(value):
     return None if value is None else positive_number(value)
 
 
+def positive_count(value):
+    """Return an error unless ``value`` (an int) is at least 1."""
+    return None if value >= 1 else "must be at least 1"
+
+
 @dataclass(frozen=True)
 class Grant:
     """What a backend's successful acquisition attempt reports; the base class turns it into a ``Lease``."""

@@ -1,7 +1,7 @@
 """Locks as rows of the ``distlock_lock`` table, judged by the database server's clock (PostgreSQL, SQLite).
 
-Every statement runs in autocommit on a connection of the backend's own (one per thread), never on
-Django's connection: a lock written inside the caller's uncommitted ``transaction.atomic()`` would be
+Every statement runs in autocommit on a connection of the backend's own (checked out of a small
+pool for the one call), never on Django's connection: a lock written inside the caller's uncommitted ``transaction.atomic()`` would be
 invisible to every other process and exclude nobody. The locks are lease rows, not advisory locks:
 session advisory locks belong to a server session, which a transaction-pooling proxy such as
 PgBouncer hands to other clients between transactions, so they strand or vanish.
@@ -14,8 +14,10 @@ import socket
 import sqlite3
 import threading
 import time
+import weakref
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from datetime import timezone
 
 from django.conf import settings
@@ -23,7 +25,15 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, ProgrammingError, connections
 from django.db.utils import load_backend
 
-from distlock.backends.base import SAFE_FENCING_TOKENS, BaseLockBackend, Grant, LockInfo, Option, positive_number
+from distlock.backends.base import (
+    SAFE_FENCING_TOKENS,
+    BaseLockBackend,
+    Grant,
+    LockInfo,
+    Option,
+    positive_count,
+    positive_number,
+)
 from distlock.exceptions import BackendUnavailable, LockWouldDeadlock
 from distlock.holder import current_holder
 
@@ -206,6 +216,87 @@ def _shut_down(fileno):
         pass  # already closed by its owner: nothing left to interrupt
 
 
+class _ConnectionPool:
+    """The backend's own connections, each checked out by one call at a time and given back after it.
+
+    Nothing is keyed by thread: OS thread idents and greenlet addresses are reused as soon as their
+    thread ends, so a table keyed by them hands one caller's connection to another, and sweeping
+    "dead" threads closes connections that live greenlets (invisible to ``threading.enumerate()``)
+    are using mid-statement. Here only the caller that checked a connection out uses it, and only that
+    caller closes it. At most ``size`` connections are open per process; a call that finds them all
+    busy waits for one within its own bound. After a fork the child forgets the parent's connections
+    without closing them (closing would talk on the parent's sockets) and opens its own.
+    """
+
+    def __init__(self, connect, size):
+        self._connect = connect
+        self.size = size
+        self._forget_all()
+        pool = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (p := pool()) and p._forget_all())
+
+    def _forget_all(self):
+        # A new condition too: another thread of the parent may have held the old one during fork().
+        self._changed = threading.Condition()
+        self._idle = []      # wrappers nobody uses (connected, or broken and closed), most recent last
+        self._in_use = {}    # wrapper -> the generation it was checked out in
+        self._generation = object()  # replaced by close(): wrappers of an older one are closed on return
+
+    @contextmanager
+    def connection(self, ends, unavailable):
+        """Yield a wrapper nobody else uses until the block ends; wait until ``ends`` for a free one.
+
+        ``unavailable(waited)`` builds the exception raised when all stay busy. A block that raises
+        anything closes its wrapper (its state is unknown) instead of giving it back.
+        """
+        wrapper = self._check_out(ends, unavailable)
+        try:
+            yield wrapper
+        except BaseException:
+            self._give_back(wrapper, close=True)
+            raise
+        self._give_back(wrapper)
+
+    def _check_out(self, ends, unavailable):
+        started = time.monotonic()
+        with self._changed:
+            while not self._idle and len(self._in_use) >= self.size:
+                remaining = ends - time.monotonic()
+                if remaining <= 0:
+                    raise unavailable(time.monotonic() - started)
+                self._changed.wait(remaining)
+            wrapper = self._idle.pop() if self._idle else self._connect()
+            self._in_use[wrapper] = self._generation
+            return wrapper
+
+    def _give_back(self, wrapper, close=False):
+        with self._changed:
+            generation = self._in_use.pop(wrapper, None)
+            if generation is None:
+                return  # checked out before a fork: the parent's, not ours to close
+            self._changed.notify()
+            if not close and generation is self._generation:
+                self._idle.append(wrapper)
+                return
+        _close(wrapper)
+
+    def close(self):
+        """Close the idle connections now; those in use are closed when their call gives them back."""
+        with self._changed:
+            idle, self._idle = self._idle, []
+            self._generation = object()
+        for wrapper in idle:
+            _close(wrapper)
+
+
+def _close(wrapper):
+    """Close ``wrapper`` (rolling back anything half done); its next use reconnects."""
+    try:
+        wrapper.close()
+    except DatabaseError:
+        pass  # the connection is already broken: closing it has nothing left to do
+
+
 class _Dialect:
     """One database's side of the protocol: its statements, run the same way by both databases."""
 
@@ -326,6 +417,7 @@ class DatabaseBackend(BaseLockBackend):
     options = {
         "DATABASE": Option(str, DEFAULT_DB_ALIAS, expected="the alias of a database in settings.DATABASES"),
         "STATEMENT_TIMEOUT": Option((int, float), 5, check=positive_number, expected="a number of seconds"),
+        "MAX_CONNECTIONS": Option(int, 10, check=positive_count, expected="a whole number of connections"),
     }
 
     def __init__(self, alias, options):
@@ -333,10 +425,7 @@ class DatabaseBackend(BaseLockBackend):
         self.database = self.settings["DATABASE"]
         self.vendor = _engine_vendor(settings.DATABASES[self.database]["ENGINE"])
         self._dialect = DIALECTS[self.vendor]()
-        # Thread ident -> this backend's own DatabaseWrapper for that thread. An ident reused by a new
-        # thread reuses the connection, which is safe: its previous thread is gone.
-        self._connections = {}
-        self._connections_lock = threading.Lock()
+        self._pool = _ConnectionPool(self._new_connection, self.settings["MAX_CONNECTIONS"])
 
     @classmethod
     def check_combination(cls, alias, options):
@@ -369,45 +458,23 @@ class DatabaseBackend(BaseLockBackend):
 
     # -- connections ---------------------------------------------------------------------------------
 
-    def _connection(self):
-        """Return this thread's own connection wrapper (not yet connected the first time)."""
-        wrapper = self._connections.get(threading.get_ident())
-        if wrapper is None:
-            wrapper = self._new_connection()
-        return wrapper
-
     def _new_connection(self):
+        """Return a new, not yet connected wrapper for ``DATABASE``, in autocommit, outside Django's pool."""
         databases = {
             alias: {**entry, "OPTIONS": dict(entry.get("OPTIONS", {})), "TEST": dict(entry.get("TEST", {}))}
             for alias, entry in settings.DATABASES.items()
         }
         entry = connections.configure_settings(databases)[self.database]
-        # Django keeps one pool per alias, shared with the ORM; this connection is the thread's own.
+        # Django keeps one pool per alias, shared with the ORM; this connection is the backend's own.
         entry["OPTIONS"].pop("pool", None)
         entry["AUTOCOMMIT"] = True
         wrapper = load_backend(entry["ENGINE"]).DatabaseWrapper(entry, self.database)
-        # close() may run in another thread than the one that made the connection.
+        # Whichever thread checks it out next uses it (one at a time), and may close it.
         wrapper.inc_thread_sharing()
-        threading.current_thread()  # registers a foreign thread, so the sweep below sees it alive
-        with self._connections_lock:
-            alive = {thread.ident for thread in threading.enumerate()}
-            for ident in [ident for ident in self._connections if ident not in alive]:
-                self._discard(self._connections.pop(ident))
-            self._connections[threading.get_ident()] = wrapper
         return wrapper
 
-    def _discard(self, wrapper):
-        """Close ``wrapper`` (rolling back anything half done); the next call reconnects."""
-        try:
-            wrapper.close()
-        except DatabaseError:
-            pass  # the connection is already broken: closing it has nothing left to do
-
     def close(self):
-        with self._connections_lock:
-            wrappers, self._connections = list(self._connections.values()), {}
-        for wrapper in wrappers:
-            self._discard(wrapper)
+        self._pool.close()
         self._dialect.close()
 
     # -- running the protocol ----------------------------------------------------------------------
@@ -420,7 +487,7 @@ class DatabaseBackend(BaseLockBackend):
         return min(limit, max(deadline - time.monotonic(), MIN_CALL_BOUND))
 
     def _run(self, step, params, *, deadline=None):
-        """Return ``step(cursor, params)`` run on this thread's own connection, within the call's bound.
+        """Return ``step(cursor, params)`` run on a connection of the pool, within the call's bound.
 
         Every database error drops the connection (so no half-done transaction survives) and becomes
         ``BackendUnavailable``. A reused connection found broken (a server restart, an idle connection
@@ -431,24 +498,28 @@ class DatabaseBackend(BaseLockBackend):
         configured_options = settings.DATABASES[self.database].get("OPTIONS", {})
         retried = False
         while True:
-            wrapper = self._connection()
-            reused = wrapper.connection is not None
-            watch = None
-            try:
-                with wrapper.wrap_database_errors:
-                    self._dialect.connect(wrapper, ends - time.monotonic(), configured_options)
-                    with self._dialect.bounded(wrapper, ends - time.monotonic()) as watch:
-                        return step(wrapper.connection.cursor(), params)
-            except DatabaseError as exc:
-                broken = reused and not (watch is not None and watch.fired) and not wrapper.is_usable()
-                self._discard(wrapper)
-                if broken and not retried and time.monotonic() < ends:
+            with self._pool.connection(ends, partial(self._pool_busy, bound)) as wrapper:
+                reused = wrapper.connection is not None
+                watch = None
+                try:
+                    with wrapper.wrap_database_errors:
+                        self._dialect.connect(wrapper, ends - time.monotonic(), configured_options)
+                        with self._dialect.bounded(wrapper, ends - time.monotonic()) as watch:
+                            return step(wrapper.connection.cursor(), params)
+                except DatabaseError as exc:
+                    cut_meanwhile = reused and not (watch is not None and watch.fired) and not wrapper.is_usable()
+                    if retried or not cut_meanwhile or time.monotonic() >= ends:
+                        raise BackendUnavailable(self._unavailable_message(exc, bound, watch)) from exc
+                    _close(wrapper)  # the next loop reconnects it
                     retried = True
-                    continue
-                raise BackendUnavailable(self._unavailable_message(exc, bound, watch)) from exc
-            except BaseException:
-                self._discard(wrapper)  # interrupted mid-call: the connection's state is unknown
-                raise
+
+    def _pool_busy(self, bound, waited):
+        return BackendUnavailable(
+            f"Database backend of alias '{self.alias}' (DATABASES['{self.database}'], {self.vendor}): all "
+            f"{self._pool.size} of this process's lock connections stayed busy for {waited:.3g}s (STATEMENT_TIMEOUT "
+            f"or the caller's timeout). Raise DISTLOCK['{self.alias}']['OPTIONS']['MAX_CONNECTIONS'] if this "
+            "process makes more lock calls at once."
+        )
 
     def _unavailable_message(self, exc, bound, watch):
         where = f"Database backend of alias '{self.alias}' (DATABASES['{self.database}'], {self.vendor})"

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
@@ -14,6 +15,7 @@ from django.db import connections, transaction
 
 import distlock
 from distlock.backends.database import DatabaseBackend
+from distlock.exceptions import BackendUnavailable
 from distlock.handler import locks
 from distlock.holder import current_task_id
 from distlock.models import FencingRejection, Lock
@@ -329,26 +331,91 @@ def test_a_connection_cut_by_the_server_is_replaced_on_the_next_call(lock_name):
     assert lease.release() is True
 
 
-def test_close_ends_the_connections_of_every_thread(lock_name):
+def _backend_pid_after(barrier):
+    """A step that reports its connection's server process once ``barrier`` lets every caller through."""
+    def step(cursor, params):
+        cursor.execute("SELECT pg_backend_pid()")
+        (pid,) = cursor.fetchone()
+        barrier.wait(10)
+        return pid
+    return step
+
+
+def test_calls_at_once_use_connections_of_their_own_and_close_ends_them_all():
     alias = require_alias("postgres")
     assert _wait_for(lambda: _other_connections_to("postgres") == 0), "connections of earlier tests linger"
-    # All three threads stay alive until each has its connection: the backend closes the connections
-    # of finished threads when a new thread connects, which would otherwise make the count racy.
-    all_connected = threading.Barrier(3)
-
-    def take_and_release(i):
-        lease = distlock.acquire(f"{lock_name}:{i}", ttl=5, using=alias)
-        all_connected.wait(10)
-        lease.release()
-
-    threads = [threading.Thread(target=take_and_release, args=(i,)) for i in range(3)]
+    backend = locks[alias]
+    all_inside = threading.Barrier(3)
+    pids = []
+    threads = [threading.Thread(target=lambda: pids.append(backend._run(_backend_pid_after(all_inside), {})))
+               for _ in range(3)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert _other_connections_to("postgres") == 3
-    locks[alias].close()
+    assert len(set(pids)) == 3
+    assert _other_connections_to("postgres") == 3  # given back to the pool, still open
+    backend.close()
     assert _wait_for(lambda: _other_connections_to("postgres") == 0)
+
+
+def test_connections_outlive_the_threads_that_used_them_and_serve_later_threads(lock_name):
+    alias = require_alias("postgres")
+    assert _wait_for(lambda: _other_connections_to("postgres") == 0), "connections of earlier tests linger"
+    for i in range(20):
+        thread = threading.Thread(target=lambda: distlock.acquire(f"{lock_name}:{i}", ttl=5, using=alias).release())
+        thread.start()
+        thread.join()
+    assert _other_connections_to("postgres") == 1
+
+
+def test_max_connections_bounds_the_calls_at_once_and_a_call_waits_within_its_bound(settings, lock_name):
+    require_alias("postgres")
+    add_alias(settings, "two_connections", DATABASE="postgres", MAX_CONNECTIONS=2)
+    backend = locks["two_connections"]
+    inside, leave = threading.Barrier(3), threading.Event()
+
+    def hold_a_connection(cursor, params):
+        cursor.execute("SELECT 1")
+        inside.wait(10)
+        leave.wait(10)
+
+    holders = [threading.Thread(target=backend._run, args=(hold_a_connection, {})) for _ in range(2)]
+    for holder in holders:
+        holder.start()
+    inside.wait(10)
+    started = time.monotonic()
+    with pytest.raises(BackendUnavailable, match=r"all 2 of this process's lock connections stayed busy .*"
+                                                 r"\['two_connections'\]\['OPTIONS'\]\['MAX_CONNECTIONS'\]"):
+        distlock.acquire(lock_name, ttl=5, timeout=1, using="two_connections")
+    assert 1 <= time.monotonic() - started < 3
+    # A call waiting for a connection gets the first one given back.
+    waiter = threading.Thread(target=lambda: distlock.acquire(lock_name, ttl=5, timeout=10,
+                                                             using="two_connections").release())
+    waiter.start()
+    leave.set()
+    waiter.join()
+    for holder in holders:
+        holder.join()
+    assert _other_connections_to("postgres") <= 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("library", ["gevent", "eventlet"])
+def test_green_threads_each_get_a_connection_none_closed_under_another_and_the_count_stays_bounded(
+        db_alias, library):
+    """Green threads (gunicorn -k gevent, Celery --pool=gevent/eventlet): idents reused, not in enumerate()."""
+    process = subprocess.run(
+        [sys.executable, "-m", "tests.green_churn", library, db_alias, f"green:{uuid.uuid4().hex}"],
+        capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=180,
+    )
+    assert process.returncode == 0, process.stderr[-4000:]
+    report = json.loads(process.stdout.splitlines()[-1])
+    assert report["errors"] == 0, "\n".join(report["first_errors"])
+    assert report["overlaps"] == 0
+    assert report["operations"] == 1 + 50 * 20
+    # The backend's connections, the parent test's own and this process's Django connection.
+    assert report["most_connections"] <= report["max_connections"] + 2
 
 
 @pytest.mark.filterwarnings("ignore:Overriding setting DATABASES")
