@@ -2,6 +2,7 @@
 
 import os
 import threading
+import weakref
 
 from django.utils.module_loading import import_string
 
@@ -19,9 +20,9 @@ class LockHandler:
     """
 
     def __init__(self):
-        self._backends = {}
-        self._pid = os.getpid()
-        self._lock = threading.Lock()
+        self._forget_after_fork()
+        handler = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (h := handler()) and h._forget_after_fork())
 
     def __getitem__(self, alias):
         if self._pid != os.getpid():
@@ -48,11 +49,11 @@ class LockHandler:
         return iter(get_config())
 
     def _forget_after_fork(self):
-        with self._lock:
-            if self._pid != os.getpid():
-                self._backends = {}
-                self._lock = threading.Lock()
-                self._pid = os.getpid()
+        # Never takes the old lock: a thread of the parent that held it (building a backend) during
+        # fork() does not exist in the child, so the child would wait for it forever.
+        self._backends = {}
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
 
     def create_backend(self, alias):
         config = get_config()

@@ -162,6 +162,12 @@ class _Watchdog:
     """
 
     def __init__(self):
+        self._forget_after_fork()
+        watchdog = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (w := watchdog()) and w._forget_after_fork())
+
+    def _forget_after_fork(self):
+        # The parent's thread does not run in the child and may have held the condition at fork().
         self._changed = threading.Condition()
         self._watches = set()
         self._wake_at = math.inf

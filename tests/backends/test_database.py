@@ -2,6 +2,7 @@
 
 import glob
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -398,6 +399,26 @@ def test_max_connections_bounds_the_calls_at_once_and_a_call_waits_within_its_bo
     for holder in holders:
         holder.join()
     assert _other_connections_to("postgres") <= 2
+
+
+def test_a_forked_child_never_touches_the_parent_s_connections():
+    alias = require_alias("postgres")
+    backend = locks[alias]
+    backend_pid = lambda cursor, params: cursor.execute("SELECT pg_backend_pid()").fetchone()[0]  # noqa: E731
+    parent_pid = backend._run(backend_pid, {})
+    pid = os.fork()
+    if pid == 0:  # the child, with the parent's backend object and its idle connection
+        try:
+            child_pid = backend._run(backend_pid, {})
+            backend.close()
+            os._exit(0 if child_pid != parent_pid else 3)
+        finally:
+            os._exit(1)
+    deadline = time.monotonic() + 20
+    while not (done := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert done[0] and os.waitstatus_to_exitcode(done[1]) == 0, "the child used the parent's connection"
+    assert backend._run(backend_pid, {}) == parent_pid, "the child closed the parent's connection"
 
 
 @pytest.mark.slow
