@@ -483,6 +483,10 @@ class RedisBackend(BaseLockBackend):
         for key, value, pttl in zip(keys, replies[::2], replies[1::2]):
             if value is None:
                 continue  # expired or released since SCAN saw it
+            if isinstance(value, redis.ResponseError):
+                if str(value).startswith("WRONGTYPE"):
+                    continue  # not a lock of this backend: another program's key under the prefix
+                raise self._translate(value, "reading held locks")
             owner, token, acquired_us, metadata = _text(value).split("\n", 3)
             holder = json.loads(metadata)
             key = key if isinstance(key, bytes) else key.encode()
@@ -541,26 +545,40 @@ class _Connections:
         return connection, connection.is_connected
 
     def _exchange(self, requests, timeout):
-        """Send ``requests`` (packed commands) on one connection; return the list of replies."""
+        """Send ``requests`` (packed commands) on one connection; return the list of replies.
+
+        An error reply comes back in its place as the ``ResponseError`` instance, after every reply
+        was read. A connection goes back to the idle stack only when every reply was read: one that
+        an exception (a timeout, a lost connection, or a signal handler's exception such as Celery's
+        soft time limit) interrupted between the send and the last read is disconnected, since its
+        next user would read the leftover replies as its own (a refused acquire read as a grant).
+        """
         connection, was_connected = self._borrow()
         try:
             try:
-                connection.send_packed_command((b"".join(requests),))
-                return [connection.read_response(timeout=timeout) for _ in requests]
+                replies = _send_and_read(connection, requests, timeout)
             except redis.ConnectionError:
                 if not was_connected:
                     raise
                 # Closed by the server while idle: once more on a fresh connection (see the class docstring).
                 connection.disconnect()
-                connection.send_packed_command((b"".join(requests),))
-                return [connection.read_response(timeout=timeout) for _ in requests]
-        finally:
-            self._idle.append(connection)
+                replies = _send_and_read(connection, requests, timeout)
+        except BaseException:
+            connection.disconnect()
+            self._idle.append(connection)  # disconnected: its next use connects afresh
+            raise
+        self._idle.append(connection)
+        return replies
 
     def call(self, request, timeout):
-        return self._exchange(request, timeout)[0]
+        """Return the reply to one command; raise its error reply (a ``ResponseError``)."""
+        (reply,) = self._exchange(request, timeout)
+        if isinstance(reply, redis.ResponseError):
+            raise reply
+        return reply
 
     def call_many(self, requests, timeout):
+        """Return the replies to ``requests``, error replies in their place as ``ResponseError`` instances."""
         return self._exchange(requests, timeout)
 
     def close(self):
@@ -572,6 +590,18 @@ class _Connections:
                 self.pool.release(connection)
         if self.owned:
             self.pool.disconnect()
+
+
+def _send_and_read(connection, requests, timeout):
+    """Send ``requests`` in one write and read one reply per request, error replies included."""
+    connection.send_packed_command((b"".join(requests),))
+    replies = []
+    for _ in requests:
+        try:
+            replies.append(connection.read_response(timeout=timeout))
+        except redis.ResponseError as error:  # read in full: the next reply is the next request's
+            replies.append(error)
+    return replies
 
 
 def _pack(command):

@@ -344,6 +344,40 @@ def test_a_foreign_key_under_the_prefix_is_a_clear_runtime_error(own_alias, own_
         distlock.acquire("foreign", ttl=10, blocking=False, using=own_alias)
 
 
+def test_held_locks_skips_a_foreign_key_and_later_calls_read_their_own_replies(own_alias, own_client):
+    """A Redlock alias on the same server and prefix keeps hashes under <prefix>:lock: (WRONGTYPE for GET)."""
+    own_client.hset(f"{PREFIX}:lock:redlock-hash", "owner", "someone")
+    assert distlock.locks[own_alias].held_locks() == []
+    holder = distlock.acquire("a", ttl=10, blocking=False, using=own_alias)
+    with pytest.raises(distlock.LockNotAcquired):
+        distlock.acquire("a", ttl=10, blocking=False, using=own_alias)
+    assert [info.name for info in distlock.locks[own_alias].held_locks()] == ["a"]
+    assert holder.release() is True
+
+
+class Interrupt(BaseException):
+    """What a signal handler raises between two lines (Celery's soft time limit, KeyboardInterrupt)."""
+
+
+def test_an_interrupt_between_send_and_read_never_hands_a_reply_to_the_next_call(own_alias, monkeypatch):
+    held = distlock.acquire("held", ttl=10, blocking=False, using=own_alias)
+    read_response = redis.connection.Connection.read_response
+    interrupts = iter([True])
+
+    def interrupted_once(connection, *args, **kwargs):
+        if next(interrupts, False):
+            raise Interrupt  # the request was sent; its reply (a grant of "free") stays unread
+        return read_response(connection, *args, **kwargs)
+
+    monkeypatch.setattr(redis.connection.Connection, "read_response", interrupted_once)
+    with pytest.raises(Interrupt):
+        distlock.acquire("free", ttl=10, blocking=False, using=own_alias)
+    # "held" is held by another owner: the server refuses, whatever reply was left on the connection.
+    with pytest.raises(distlock.LockNotAcquired):
+        distlock.acquire("held", ttl=10, blocking=False, using=own_alias)
+    assert held.release() is True
+
+
 # -- options --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("options", "message"), [
