@@ -2,6 +2,8 @@
 
 from django.core.exceptions import ImproperlyConfigured
 
+from distlock.redaction import redact
+
 
 class LockError(Exception):
     """Base class of every runtime error distlock raises."""
@@ -24,7 +26,14 @@ class LockSuspended(LockError):
 
 
 class BackendUnavailable(LockError):
-    """The lock server is down or unreachable; raised within the caller's timeout, never a hang."""
+    """The lock server is down or unreachable; raised within the caller's timeout, never a hang.
+
+    Its message is redacted: it quotes server errors and addresses, and is shown on the admin page,
+    by ``distlock check`` and in logs.
+    """
+
+    def __init__(self, message=""):
+        super().__init__(redact(message))
 
 
 class LockWouldDeadlock(LockError):

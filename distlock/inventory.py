@@ -13,6 +13,7 @@ from django.core.exceptions import ImproperlyConfigured
 from distlock.conf import get_config
 from distlock.exceptions import BackendUnavailable
 from distlock.handler import locks
+from distlock.redaction import redact
 
 logger = logging.getLogger("distlock.inventory")
 
@@ -36,11 +37,12 @@ class PingResult:
 
 
 def _describe(exc):
+    """The failure as shown by ``distlock check`` and the admin page: with no secret in it."""
     if isinstance(exc, (BackendUnavailable, ImproperlyConfigured, ImportError)):
-        return f"{type(exc).__name__}: {exc}"
+        return redact(f"{type(exc).__name__}: {exc}")
     # Not a failure a backend is expected to report: a bug, so keep its traceback in the log.
-    logger.exception("Backend raised an unexpected error")
-    return f"unexpected {type(exc).__name__}: {exc}"
+    logger.exception("Backend raised an unexpected error: %s", redact(exc))
+    return redact(f"unexpected {type(exc).__name__}: {exc}")
 
 
 def _backend_path(alias):

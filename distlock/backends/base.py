@@ -11,6 +11,7 @@ from django.core.exceptions import ImproperlyConfigured
 from distlock.exceptions import LockNotAcquired
 from distlock.holder import new_owner
 from distlock.lease import Lease
+from distlock.redaction import redact
 from distlock.validation import MAX_SECONDS
 
 #: Capabilities a backend may declare in ``capabilities``:
@@ -39,11 +40,13 @@ class Option:
         # bool is an int subclass; a TTL of True is a typo, not a number.
         if not isinstance(value, self.types) or (isinstance(value, bool) and bool not in self.types):
             raise ImproperlyConfigured(
-                f"DISTLOCK['{alias}']['OPTIONS']['{name}'] must be {self.expected}, got {value!r}."
+                f"DISTLOCK['{alias}']['OPTIONS']['{name}'] must be {self.expected}, got {redact(repr(value))}."
             )
         problem = self.check(value) if self.check else None
         if problem:
-            raise ImproperlyConfigured(f"DISTLOCK['{alias}']['OPTIONS']['{name}'] {problem}, got {value!r}.")
+            raise ImproperlyConfigured(
+                f"DISTLOCK['{alias}']['OPTIONS']['{name}'] {problem}, got {redact(repr(value))}."
+            )
         return value
 
 

@@ -31,6 +31,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from distlock.backends.base import NOTIFICATIONS, BaseLockBackend, Grant, LockInfo, Option, positive_number
 from distlock.exceptions import BackendUnavailable
+from distlock.redaction import redact
 from distlock.holder import current_holder
 
 logger = logging.getLogger("distlock.redlock")
@@ -149,7 +150,7 @@ def check_urls(urls):
         return f"must list an odd number of 3 or more Redis masters (a majority must survive a failure), not {len(urls)}"
     for url in urls:
         if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-            return f"must contain redis://, rediss:// or unix:// URLs only; {url!r} is not one"
+            return f"must contain redis://, rediss:// or unix:// URLs only; {redact(repr(url))} is not one"
     if len(set(urls)) != len(urls):
         return "must name each master once: a master listed twice would count twice towards the majority"
     return None
@@ -264,7 +265,8 @@ class Master:
     """
 
     def __init__(self, url, timeout):
-        self.url = url
+        #: The URL as shown in messages, reprs, logs and thread names: without its password.
+        self.display = redact(url)
         self.pool = redis.ConnectionPool.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
         self.client = redis.Redis(connection_pool=self.pool)
         #: Monotonic time until which the master is left out after a failure (see ``SKIP_FAILED_MASTER``).
@@ -277,7 +279,7 @@ class Master:
         self.connected = False
 
     def __repr__(self):
-        return f"<Master {self.url}>"
+        return f"<Master {self.display}>"
 
     def submit(self, job):
         """Queue ``job`` for this master's thread, started on first use (and again in a forked child)."""
@@ -288,7 +290,7 @@ class Master:
                     self._jobs = queue.SimpleQueue()
                     self.connected = False
                     self._thread = threading.Thread(target=self._send_and_read, args=(self._jobs,), daemon=True,
-                                                    name=f"distlock-redlock:{self.url}")
+                                                    name=f"distlock-redlock:{self.display}")
                     self._pid = os.getpid()
                     self._thread.start()
         self._jobs.put(job)
@@ -422,7 +424,7 @@ class ReleaseListener:
                 self._subscriptions = 0  # a forked child has none of the parent's threads
             self._pid, self._stopped = os.getpid(), threading.Event()
             self._threads = [threading.Thread(target=self._listen, args=(master, self._stopped), daemon=True,
-                                              name=f"distlock-redlock-listen:{master.url}")
+                                              name=f"distlock-redlock-listen:{master.display}")
                              for master in self._masters]
             for thread in self._threads:
                 thread.start()
@@ -465,7 +467,7 @@ class ReleaseListener:
                     elif message["type"] == "message":
                         self._announce(message["data"].decode())
             except CLIENT_ERRORS as exc:
-                logger.debug("Release notifications from %s interrupted (%s); resubscribing", master.url, exc)
+                logger.debug("Release notifications from %s interrupted (%s); resubscribing", master.display, redact(exc))
                 stopped.wait(1.0)
             finally:
                 if subscribed:
@@ -587,7 +589,7 @@ class RedlockBackend(BaseLockBackend):
         raise BackendUnavailable(
             f"Redlock alias '{self.alias}' could not {action}: a majority of {self.quorum} of its "
             f"{len(self.masters)} Redis masters must answer within NODE_TIMEOUT={self.node_timeout:g}s, but "
-            f"{len(errors)} failed" + (f" (first: {master.url}: {error})" if errors else "")
+            f"{len(errors)} failed" + (f" (first: {master.display}: {error})" if errors else "")
             + (f" and {silent} did not answer" if silent else "") + "."
         ) from error
 

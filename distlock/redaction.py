@@ -1,0 +1,22 @@
+"""Secrets out of everything distlock shows: exception messages, reprs, log lines, thread names, pages.
+
+The one helper every such path goes through. Passwords reach distlock inside URLs (Redis, Redlock:
+``redis://user:password@host``, or ``?password=`` in the query) and, once exceptions quote them,
+inside messages; whatever text is about to be shown passes through ``redact()``.
+"""
+
+import re
+
+#: The user-info of a URL: everything between ``scheme://`` and the last ``@`` of the authority.
+_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s'\"]*@")
+#: Query parameters that carry a secret (redis-py passes any query parameter on as a keyword).
+_SECRET_PARAMETER = re.compile(r"(?P<key>[?&;](?:password|passwd|pwd|pass|token|secret|auth)=)[^&#\s'\"]*",
+                               re.IGNORECASE)
+
+REDACTED = "***"
+
+
+def redact(text):
+    """Return ``text`` with the user-info of every URL and every secret query value replaced by ``***``."""
+    text = _USERINFO.sub(rf"\g<scheme>{REDACTED}@", str(text))
+    return _SECRET_PARAMETER.sub(rf"\g<key>{REDACTED}", text)
