@@ -5,12 +5,14 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from distlock.backends.base import BaseLockBackend
+from distlock.backends.redis_servers import describe
 from distlock.conf import DEFAULT_ALIAS, get_config
 
 E001 = "distlock.E001"  # DISTLOCK is not a dict, or has no 'default' alias
 E002 = "distlock.E002"  # an alias entry is not a dict with BACKEND
 E003 = "distlock.E003"  # BACKEND cannot be imported or is not a lock backend
 E004 = "distlock.E004"  # an option is missing, unknown, or invalid
+E005 = "distlock.E005"  # two aliases keep keys under one prefix of one server
 
 
 def check_distlock_setting(app_configs=None, **kwargs):
@@ -20,6 +22,8 @@ def check_distlock_setting(app_configs=None, **kwargs):
         return [Error("settings.DISTLOCK must be a dict of alias -> {'BACKEND': ..., 'OPTIONS': {...}}.",
                       hint="Shape it like CACHES.", id=E001)]
     errors = []
+    owners = {}  # (server, key prefix) -> the first alias that keeps keys there
+    reported = set()  # (alias, other alias) pairs already reported
     if DEFAULT_ALIAS not in config:
         errors.append(Error(f"settings.DISTLOCK must define a '{DEFAULT_ALIAS}' alias.",
                             hint="lock() and acquire() use it when no 'using' is given.", id=E001))
@@ -46,7 +50,18 @@ def check_distlock_setting(app_configs=None, **kwargs):
                                 hint="It must subclass distlock.backends.base.BaseLockBackend.", id=E003))
             continue
         try:
-            backend_cls.clean_options(alias, entry.get("OPTIONS", {}))
+            options = backend_cls.clean_options(alias, entry.get("OPTIONS", {}))
         except ImproperlyConfigured as exc:
             errors.append(Error(str(exc), id=E004))
+            continue
+        for space in backend_cls.key_spaces(alias, options):
+            other = owners.setdefault(space, alias)
+            if other != alias and (alias, other) not in reported:
+                reported.add((alias, other))
+                server, prefix = space
+                errors.append(Error(
+                    f"DISTLOCK['{alias}'] and DISTLOCK['{other}'] both keep their keys under KEY_PREFIX "
+                    f"'{prefix}' on the Redis server {describe(server)}: each would read the other's keys as "
+                    "its own.",
+                    hint=f"Give DISTLOCK['{alias}']['OPTIONS'] a KEY_PREFIX of its own.", id=E005))
     return errors

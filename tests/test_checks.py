@@ -66,3 +66,44 @@ def test_manage_py_check_fails_on_errors(settings):
     settings.DISTLOCK = {"default": {"BACKEND": "distlock.backends.nope.NopeBackend"}}
     with pytest.raises(SystemCheckError, match="distlock.E003"):
         call_command("check")
+
+
+LOCMEM = {"BACKEND": "distlock.backends.locmem.LocMemBackend"}
+REDIS, REDLOCK = "distlock.backends.redis.RedisBackend", "distlock.backends.redlock.RedlockBackend"
+MASTERS = ["redis://127.0.0.1:7001/0", "redis://127.0.0.1:7002/0", "redis://127.0.0.1:7003/0"]
+
+
+@pytest.mark.parametrize(("redis_options", "redlock_options", "shared"), [
+    # The defaults: both use KEY_PREFIX "distlock"; Redlock's hashes sit where Redis expects strings.
+    ({"URL": "redis://127.0.0.1:7001/0"}, {"URLS": MASTERS}, True),
+    ({"URL": "redis://:pw@localhost:7001"}, {"URLS": MASTERS}, True),  # one server, spelled otherwise
+    ({"URL": "redis://127.0.0.1:7001/1"}, {"URLS": MASTERS}, False),  # another database
+    ({"URL": "redis://127.0.0.1:7001/0", "KEY_PREFIX": "locks"}, {"URLS": MASTERS}, False),
+    ({"URL": "redis://127.0.0.1:7009/0"}, {"URLS": MASTERS}, False),
+])
+def test_two_aliases_keeping_keys_under_one_prefix_of_one_server_are_refused(
+        settings, redis_options, redlock_options, shared):
+    settings.DISTLOCK = {"default": LOCMEM, "cache": {"BACKEND": REDIS, "OPTIONS": redis_options},
+                         "majority": {"BACKEND": REDLOCK, "OPTIONS": redlock_options}}
+    errors = check_distlock_setting()
+    assert ids(errors) == (["distlock.E005"] if shared else [])
+    if shared:
+        assert "DISTLOCK['majority'] and DISTLOCK['cache']" in errors[0].msg
+        assert "KEY_PREFIX 'distlock'" in errors[0].msg and "localhost:7001, db 0" in errors[0].msg
+        assert "pw" not in errors[0].msg
+
+
+def test_a_redis_alias_on_a_cache_shares_the_cache_s_server(settings):
+    settings.CACHES = {**settings.CACHES, "shared": {"BACKEND": "django_redis.cache.RedisCache",
+                                                     "LOCATION": "redis://127.0.0.1:7001/0"}}
+    settings.DISTLOCK = {"default": LOCMEM, "on_cache": {"BACKEND": REDIS, "OPTIONS": {"CACHE": "shared"}},
+                         "on_url": {"BACKEND": REDIS, "OPTIONS": {"URL": "redis://localhost:7001/0"}}}
+    assert ids(check_distlock_setting()) == ["distlock.E005"]
+
+
+def test_redlock_counts_one_server_spelled_twice_once(settings):
+    settings.DISTLOCK = {"default": LOCMEM, "majority": {"BACKEND": REDLOCK, "OPTIONS": {
+        "URLS": ["redis://localhost:7001/0", "redis://127.0.0.1:7001/0", "redis://127.0.0.1:7003/0"]}}}
+    errors = check_distlock_setting()
+    assert ids(errors) == ["distlock.E004"]
+    assert "each master once" in errors[0].msg

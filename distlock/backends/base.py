@@ -204,6 +204,15 @@ class BaseLockBackend:
     def check_combination(cls, alias, options):
         """Raise ``ImproperlyConfigured`` for options that are fine alone but not together."""
 
+    @classmethod
+    def key_spaces(cls, alias, options):
+        """Return the (server, key prefix) pairs this alias keeps its keys in, from cleaned options (no I/O).
+
+        The system checks refuse two aliases that share one: each would read the other's keys as its
+        own (a Redlock hash where a Redis lock string is expected).
+        """
+        return ()
+
     def __repr__(self):
         return f"<{type(self).__name__} alias={self.alias!r}>"
 

@@ -47,6 +47,7 @@ from distlock.backends.base import (
     Option,
     positive_number,
 )
+from distlock.backends.redis_servers import redis_server
 from distlock.exceptions import BackendUnavailable
 from distlock.holder import holder_record
 
@@ -299,6 +300,15 @@ class RedisBackend(BaseLockBackend):
                 f"{where}['CACHE'] names the cache '{cache}', which is not in settings.CACHES "
                 f"(configured: {', '.join(map(repr, caches)) or 'none'})."
             )
+
+    @classmethod
+    def key_spaces(cls, alias, options):
+        if options["URL"] is not None:
+            urls = [options["URL"]]
+        else:
+            location = settings.CACHES.get(options["CACHE"], {}).get("LOCATION", [])
+            urls = [location] if isinstance(location, str) else list(location)
+        return [(redis_server(url), options["KEY_PREFIX"]) for url in urls]
 
     def __init__(self, alias, options):
         super().__init__(alias, options)

@@ -30,9 +30,10 @@ from django.core.exceptions import ImproperlyConfigured
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from distlock.backends.base import NOTIFICATIONS, BaseLockBackend, Grant, LockInfo, Option, positive_number
+from distlock.backends.redis_servers import redis_server
 from distlock.exceptions import BackendUnavailable
-from distlock.redaction import redact
 from distlock.holder import current_holder
+from distlock.redaction import redact
 
 logger = logging.getLogger("distlock.redlock")
 
@@ -151,8 +152,9 @@ def check_urls(urls):
     for url in urls:
         if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
             return f"must contain redis://, rediss:// or unix:// URLs only; {redact(repr(url))} is not one"
-    if len(set(urls)) != len(urls):
-        return "must name each master once: a master listed twice would count twice towards the majority"
+    if len({redis_server(url) for url in urls}) != len(urls):
+        return ("must name each master once (localhost and 127.0.0.1 are one server): a master listed twice "
+                "would count twice towards the majority")
     return None
 
 
@@ -507,6 +509,10 @@ class RedlockBackend(BaseLockBackend):
 
     #: The monotonic clock acquisition time is measured on; tests replace it to simulate a paused client.
     clock = staticmethod(time.monotonic)
+
+    @classmethod
+    def key_spaces(cls, alias, options):
+        return [(redis_server(url), options["KEY_PREFIX"]) for url in options["URLS"]]
 
     def __init__(self, alias, options):
         super().__init__(alias, options)
