@@ -83,7 +83,83 @@ def hold_then_check(alias, name, ttl, options=None):
         emit(check=type(exc).__name__, message=str(exc))
 
 
-SCENARIOS = {"hammer": hammer, "hold": hold, "hold_then_check": hold_then_check}
+def try_hammer(alias, name, ready_path, recipe="distlock", threads=20, seconds=8.0, hold_ms=3):
+    """Once connected, touch ``ready_path``; on a line from stdin, try ``name`` back to back with
+    ``blocking=False`` from ``threads`` threads for ``seconds``, holding ``hold_ms`` when granted.
+
+    ``recipe`` "distlock" tries ``distlock.acquire`` on ``alias``; "kazoo" tries kazoo's own recipe,
+    ``KazooClient.Lock(name).acquire(blocking=False)`` (``name`` a znode path), on the ensemble of
+    ``alias``, with one client per process as distlock has. Reports each granted critical section
+    (recorded by the threads, emitted at the end so lines never interleave), then the number of tries
+    and every unexpected error.
+    """
+    import threading  # noqa: PLC0415
+
+    from django.conf import settings  # noqa: PLC0415
+    from kazoo.client import KazooClient  # noqa: PLC0415
+
+    import distlock  # noqa: PLC0415
+
+    if recipe == "kazoo":
+        client = KazooClient(hosts=settings.DISTLOCK[alias]["OPTIONS"]["HOSTS"])
+        client.start(timeout=30)
+
+        def attempt():
+            lock = client.Lock(name)
+            return lock if lock.acquire(blocking=False) else None
+
+        def describe(lock):
+            return lock.node, None
+    else:
+        distlock.acquire(f"{name}:warm-up", ttl=10, timeout=30, using=alias).release()  # connect first
+
+        def attempt():
+            try:
+                return distlock.acquire(name, ttl=10, blocking=False, using=alias)
+            except distlock.LockNotAcquired:
+                return None
+
+        def describe(lease):
+            return lease.owner, lease.token
+
+    Path(ready_path).touch()
+    sys.stdin.readline()
+    end = time.monotonic() + seconds
+    grants, tries, errors = [], [], []
+
+    def contend():
+        count = 0
+        while time.monotonic() < end:
+            count += 1
+            try:
+                held = attempt()
+            except Exception as exc:  # noqa: BLE001 - reported, and the test fails on it
+                errors.append(repr(exc))
+                continue
+            if held is None:
+                continue
+            enter = time.monotonic_ns()
+            time.sleep(hold_ms / 1000)
+            exit_ = time.monotonic_ns()
+            owner, token = describe(held)
+            grants.append({"owner": owner, "token": token, "enter": enter, "exit": exit_})
+            held.release()
+        tries.append(count)
+
+    workers = [threading.Thread(target=contend) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    for grant in grants:
+        emit(pid=os.getpid(), **grant)
+    emit(tries=sum(tries), errors=errors)
+    if recipe == "kazoo":
+        client.stop()
+        client.close()
+
+
+SCENARIOS = {"hammer": hammer, "hold": hold, "hold_then_check": hold_then_check, "try_hammer": try_hammer}
 
 
 def run(scenarios):

@@ -81,6 +81,47 @@ from distlock.holder import holder_record, new_owner
 # - Lost replies: our node's name starts with the random owner id, so after a connection loss during
 #   its create we find it by listing (the trick kazoo took from Netflix Curator); a node we gave up on
 #   is deleted when its late reply arrives, or after reconnecting.
+# - Tries (blocking=False) make a node only where it would hold. A try that queued like a waiter
+#   made every try behind it fail until its owner, having lost, deleted it: with tries always in
+#   flight the lock was free nearly all the time and nobody got it (1 grant in ~5,700 tries). A try:
+#   1. Sends multi[create parent, create our node, set_data parent], with a listing of the parent
+#      and its stat behind it, on a crowded name too: when the lock is free a try wins in one
+#      request. It commits only if the parent did not exist: our node is alone, and holds.
+#   2. Else nothing was made, and the listing shows why. A node the try would wait for (any node for
+#      a writer, a writer for a reader): the lock is held, or a waiter queued first: fail, leaving
+#      nothing. Else send multi[check parent version = the listed one, create our node, set_data
+#      parent] with a listing behind it; if it commits, our node holds or waits by the rules above,
+#      like any node. If it fails (BadVersion: a contender was created since the listing; NoNode:
+#      the parent went) nothing was made: back to 2 with its listing (1 if the parent is gone).
+#   3. After TRY_ROUNDS multis that made nothing, it creates its node unconditionally and decides
+#      from the listing behind it, as every try once did.
+#   The parent's data version counts creates: every create of every version of this module stamps
+#   the parent in the same multi. (It restarts when the parent is deleted and made again, so it can
+#   come back to a listed value: the check only spares nodes, it is never a reason to hold.)
+#   Why this is sound:
+#   - No two holders: multis decide whether a node is made, never whether it holds. A try's node
+#     holds by the rules above, from its multi's child count (alone at its zxid) or from the listing
+#     behind it, as a waiter's does; sequences follow zxid order, so one write node is lowest.
+#   - A try fails only if the lock is held or a waiter queued first: it fails only on a listing that
+#     shows a node it would wait for: the lowest such node holds, any other one queued before the
+#     try. (As of the zxid the member serving the listing has applied, as for every read; the
+#     listings of steps 1 and 2 come behind a write of this session, so they are at least that new.)
+#   - Concurrent tries resolve to one winner, the first to commit: the leader serialises their
+#     multis; the first to commit makes the parent (1) or passes its check (2), and its set_data moves
+#     the version, so every later multi of step 2 fails without making a node, and, looking again,
+#     sees the winner. Losers make no node (before step 3), so the winner is the lowest try node.
+#   - No livelock: a try goes round again only after a multi of step 2 made nothing, which takes
+#     another contender's create, or a leaver's delete of the parent, committed since its listing:
+#     every lost round is matched by someone else's progress, and of the tries racing from one
+#     listing the first to commit wins.
+#   - Bounded: a try sends at most TRY_ROUNDS multis, each with its listing, then at most one plain
+#     create with its listing, and never waits for a watch; each request is bounded by the caller's
+#     timeout (0 for every try of the public API) plus REQUEST_GRACE. (Like every create, one that
+#     meets the parent's delete starts over.)
+#   - Tokens follow the rules above (fresh only when alone at the create's zxid, else re-stamped),
+#     so tokens keep their order across the alias for tries too; sessions, SUSPENDED and LOST are
+#     untouched. The node format is unchanged: a process of the previous version sees a try's node
+#     as the plain node it is, and its own tries' nodes are plain nodes this version fails on.
 
 ROOT_DEFAULT = "/distlock"
 WRITE, READ = "write", "read"
@@ -96,6 +137,11 @@ RECONNECT = {"max_tries": -1, "delay": 0.05, "backoff": 2, "max_delay": 1.0}
 
 #: How many recently crowded lock names a backend remembers (to skip a multi bound to fail).
 CROWDED_NAMES = 1024
+
+#: How many multis of a try may make nothing (see "Tries" above) before it creates its node
+#: unconditionally, as a waiter does, and lets the listing behind it decide.
+TRY_ROUNDS = 3
+
 
 def encode_name(name):
     """Return lock ``name`` as one valid znode name, reversibly.
@@ -114,6 +160,10 @@ class NodeGone(Exception):
     """Our znode is no longer there (its session ended, or an operator deleted it): queue again."""
 
 
+class Taken(Exception):
+    """A try saw a node it would wait for (the lock is held, or a waiter queued first): it made no node."""
+
+
 def blocker_of(node, children):
     """Return the child ``node`` must wait for, None if it holds the lock; raise ``NodeGone`` if it is gone.
 
@@ -122,14 +172,24 @@ def blocker_of(node, children):
     mine = _NODE_NAME.match(node)
     if node not in children or mine is None:
         raise NodeGone(node)
-    sequence, kind = int(mine["sequence"]), mine["kind"]
+    return _nearest_before(mine["kind"], int(mine["sequence"]), children)
+
+
+def ahead_of(kind, children):
+    """Return the child a node of ``kind`` queued behind all of ``children`` would wait for; None if none."""
+    return _nearest_before(kind, None, children)
+
+
+def _nearest_before(kind, sequence, children):
+    """Return the nearest child before ``sequence`` (None: after every child) that a ``kind`` node waits for."""
     nearest, nearest_sequence = None, None
     for child in children:
         other = _NODE_NAME.match(child)
         if other is None or (kind == READ and other["kind"] != WRITE):
             continue
         other_sequence = int(other["sequence"])
-        if other_sequence < sequence and (nearest_sequence is None or other_sequence > nearest_sequence):
+        if (sequence is None or other_sequence < sequence) and (
+                nearest_sequence is None or other_sequence > nearest_sequence):
             nearest, nearest_sequence = child, other_sequence
     return nearest
 
@@ -184,6 +244,7 @@ class _Contender:
     def __init__(self, parent, owner, kind):
         self.parent = parent
         self.owner = owner
+        self.kind = kind
         self.prefix = f"{owner}-{kind}-"
         self.data = holder_record(owner=owner).encode()
         #: Full path of our node once its create answered; None before.
@@ -628,7 +689,7 @@ class ZooKeeperBackend(BaseLockBackend):
             try:
                 client = self._session(io_deadline)
                 if contender.path is None:
-                    children = self._enter_queue(client, contender, io_deadline)
+                    children = self._enter_queue(client, contender, io_deadline, trying=not blocking)
                     contender.epoch = epoch
                     if children is None:
                         return started, looks
@@ -645,6 +706,8 @@ class ZooKeeperBackend(BaseLockBackend):
                 if not blocking or (remaining is not None and remaining <= 0):
                     raise LockNotAcquired(self._not_acquired_message(name, blocking, timeout))
                 self._wait_for(client, f"{contender.parent}/{blocker}", remaining, io_deadline)
+            except Taken:
+                raise LockNotAcquired(self._not_acquired_message(name, blocking, timeout)) from None
             except ConnectionClosedError:
                 raise  # the backend was closed under us: BackendUnavailable, no new session
             except ConnectionLoss:
@@ -653,11 +716,12 @@ class ZooKeeperBackend(BaseLockBackend):
             except (SessionExpiredError, NodeGone):
                 contender.forget_node()
 
-    def _enter_queue(self, client, contender, io_deadline):
+    def _enter_queue(self, client, contender, io_deadline, *, trying=False):
         """Create ``contender``'s node (or find the one a lost reply created); record its path and token.
 
         Return the children listed right behind the create, or None if the node is the first one in a
-        parent it created itself: then it holds the lock.
+        parent it created itself: then it holds the lock. A try (``trying``) raises ``Taken`` instead of
+        queuing behind a node it would wait for.
         """
         if contender.uncertain:
             contender.uncertain = False
@@ -672,6 +736,8 @@ class ZooKeeperBackend(BaseLockBackend):
             with self._registry_lock:
                 crowded = contender.parent in self._crowded_parents
             try:
+                if trying:
+                    return self._try_create(client, contender, io_deadline)
                 return self._create(client, contender, io_deadline, with_parent=not crowded)
             except NodeExistsError:
                 self._crowded(contender.parent)  # the parent exists: others queue
@@ -686,36 +752,80 @@ class ZooKeeperBackend(BaseLockBackend):
         """Create the node in one multi, with its parent if ``with_parent``; record its path and token.
 
         Return the children listed right behind the multi, or None when the multi made the parent too:
-        the node is then its first child and holds the lock. The multi ends by stamping the parent
-        (set_data): all operations of a multi share one zxid, so the returned mzxid is our node's czxid,
-        and the token comes with the reply.
+        the node is then its first child and holds the lock.
         """
-        transaction = client.transaction()
-        if with_parent:
-            transaction.create(contender.parent)
-        transaction.create(f"{contender.parent}/{contender.prefix}", contender.data, ephemeral=True, sequence=True)
-        transaction.set_data(contender.parent, b"")
-        committed = transaction.commit_async()
+        committed = self._send_create(client, contender, with_parent=with_parent)
         listing = None if with_parent else client.get_children_async(contender.parent)
-        try:
-            results = self._result(committed, io_deadline)
-        except BackendUnavailable:
-            committed.rawlink(self._delete_late_node)
-            raise
-        made_node, stamped = results[-2:]
-        if not isinstance(made_node, str):  # a failed multi: raise the error of the operation that failed
-            raise next(result for result in results if not isinstance(result, (RolledBackError, RuntimeInconsistency)))
-        contender.path, contender.token = made_node, stamped.mzxid
-        # The czxid is a safe token only if our node was alone at that zxid. The listing behind the
-        # multi is read later: a node queued before ours may have been granted (re-stamped above our
-        # czxid) and released in between, so "first in the listing" alone would hand us a lower token.
-        contender.token_fresh = stamped.numChildren == 1
+        self._made(committed, contender, io_deadline)
         if listing is None:
             return None
         try:
             return self._result(listing, io_deadline)
         except NoNodeError:
             return []
+
+    def _try_create(self, client, contender, io_deadline):
+        """Create a try's node only where it would hold ("Tries" above); return as ``_create``.
+
+        Raise ``Taken``, with no node made, when a listing shows a node the try would wait for.
+        """
+        version = None  # the parent's data version last listed; None: make the parent with the node
+        for _ in range(TRY_ROUNDS):
+            committed = self._send_create(client, contender, with_parent=version is None, parent_version=version)
+            # Behind the multi, even a failed one, so it shows why it failed.
+            listing = client.get_children_async(contender.parent, include_data=True)
+            try:
+                self._made(committed, contender, io_deadline)
+            except (NodeExistsError, BadVersionError, NoNodeError) as exc:
+                if version is None and isinstance(exc, NoNodeError):
+                    raise  # no ROOT yet
+            else:
+                if version is None:
+                    return None
+                with suppress(NoNodeError):
+                    return self._result(listing, io_deadline)[0]
+                return []
+            try:
+                children, stat = self._result(listing, io_deadline)
+            except NoNodeError:
+                version = None  # the parent went since the multi: make it
+                continue
+            if ahead_of(contender.kind, children) is not None:
+                raise Taken(contender.parent)
+            version = stat.version
+        return self._create(client, contender, io_deadline, with_parent=version is None)
+
+    def _send_create(self, client, contender, *, with_parent, parent_version=None):
+        """Send the multi that creates ``contender``'s node; return its async reply for ``_made``.
+
+        It makes the parent first if ``with_parent``, or first checks that the parent's data version is
+        still ``parent_version`` if given; it ends by stamping the parent (set_data): all operations of
+        a multi share one zxid, so the stamp's mzxid is our node's czxid and comes with the reply.
+        """
+        transaction = client.transaction()
+        if parent_version is not None:
+            transaction.check(contender.parent, parent_version)
+        if with_parent:
+            transaction.create(contender.parent)
+        transaction.create(f"{contender.parent}/{contender.prefix}", contender.data, ephemeral=True, sequence=True)
+        transaction.set_data(contender.parent, b"")
+        return transaction.commit_async()
+
+    def _made(self, committed, contender, io_deadline):
+        """Wait for a create multi; record the node's path and token, or raise the failed operation's error."""
+        try:
+            results = self._result(committed, io_deadline)
+        except BackendUnavailable:
+            committed.rawlink(self._delete_late_node)
+            raise
+        made_node, stamped = results[-2:]
+        if not isinstance(made_node, str):
+            raise next(result for result in results if not isinstance(result, (RolledBackError, RuntimeInconsistency)))
+        contender.path, contender.token = made_node, stamped.mzxid
+        # The czxid is a safe token only if our node was alone at that zxid. The listing behind the
+        # multi is read later: a node queued before ours may have been granted (re-stamped above our
+        # czxid) and released in between, so "first in the listing" alone would hand us a lower token.
+        contender.token_fresh = stamped.numChildren == 1
 
     def _restamp(self, client, contender, io_deadline):
         """Give a holder that queued a token of its grant: the mzxid of a write to its own node."""
@@ -729,7 +839,7 @@ class ZooKeeperBackend(BaseLockBackend):
         """kazoo callback for a create we gave up on: delete the node if it was made after all."""
         if not reply.successful():
             return
-        made_node = reply.value[-2]  # the multi's results: [create parent,] create node, set_data parent
+        made_node = reply.value[-2]  # the multi's results: [check or create parent,] create node, set_data parent
         if isinstance(made_node, str):
             self._send_leave(made_node)
 

@@ -12,19 +12,25 @@ from kazoo.exceptions import NoNodeError
 
 import distlock
 from distlock.backends.zookeeper import (
+    READ,
+    WRITE,
     NodeGone,
     ZooKeeperBackend,
     _ExpiryTimer,
+    ahead_of,
     blocker_of,
     decode_name,
     encode_name,
     holders_of,
 )
+from distlock.conformance.checker import check
 from distlock.handler import locks
 from distlock.signals import lock_lost
 from tests.conftest import require_alias
 from tests.faults.proxy import FaultProxy
+from tests.servers import wait_until
 from tests.servers.zookeeper import ZooKeeperEnsemble, four_letter_word
+from tests.workers import read_events, spawn
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
@@ -114,6 +120,9 @@ def test_queue_rules():
     assert holders_of([r3, r2, "not-ours"]) == [r2, r3]
     with pytest.raises(NodeGone):
         blocker_of(w1, [r2])
+    # A try looks at what a node queued behind every child would wait for.
+    assert ahead_of(WRITE, children) == r5 and ahead_of(READ, children) == w4
+    assert ahead_of(READ, [r3, r2, "not-ours"]) is None and ahead_of(WRITE, ["not-ours"]) is None
 
 
 def test_expiry_timer_follows_moves_and_cancellations():
@@ -190,6 +199,78 @@ def test_first_in_the_listing_is_not_enough_for_the_czxid_to_be_the_token(backen
     assert predecessor_token, "the listing behind the create was not intercepted"
     assert lease.token > predecessor_token[0]
     lease.release()
+
+
+def test_a_try_that_misses_makes_no_node(backends, options, zk, lock_name):
+    """A try fails on a holder, or on a waiter queued first, without ever creating a node."""
+    parent = f"{options['ROOT']}/{encode_name(lock_name)}"
+    holder_backend, waiter_backend, trier = backends(), backends(), backends()
+    holder = holder_backend.acquire(lock_name, ttl=30, timeout=10, blocking=True)
+    before = zk.exists(parent).cversion  # counts every create and delete of a child
+    with pytest.raises(distlock.LockNotAcquired, match="non-blocking"):
+        trier.acquire(lock_name, ttl=10, timeout=0, blocking=False)
+    zk.sync(parent)
+    assert zk.exists(parent).cversion == before, "the try made a node"
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(
+        waiter_backend.acquire(lock_name, ttl=10, timeout=30, blocking=True)))
+    waiter.start()
+    wait_for(lambda: len(our_nodes(zk, options["ROOT"], lock_name)) == 2, 10, "the waiter queueing")
+    holder.release()
+    waiter.join(30)
+    (lease,) = got
+    before = zk.exists(parent).cversion
+    with pytest.raises(distlock.LockNotAcquired):
+        trier.acquire(lock_name, ttl=10, timeout=0, blocking=False)
+    zk.sync(parent)
+    assert zk.exists(parent).cversion == before
+    lease.release()
+
+
+def create_contender(zk, parent):
+    """Queue a node the way every version of the backend does: created and the parent stamped, in one multi."""
+    transaction = zk.transaction()
+    transaction.create(f"{parent}/other-write-", b"", ephemeral=True, sequence=True)
+    transaction.set_data(parent, b"")
+    node, stat = transaction.commit()
+    return node, stat.mzxid
+
+
+@pytest.mark.parametrize("stays", [True, False])
+def test_a_contender_created_between_a_trys_listing_and_its_create(backends, options, zk, lock_name, stays):
+    """The try's conditional create fails and makes nothing; looking again, it fails on a node that
+    stayed, and takes the lock, with a larger token, when the node came and went.
+
+    The interleaving is forced: the parent exists but is empty (a leaver has not deleted it yet), so
+    the try's first multi fails; the contender is created after that multi's listing, right before
+    the conditional create is sent.
+    """
+    parent = f"{options['ROOT']}/{encode_name(lock_name)}"
+    zk.create(parent, makepath=True)
+    backend = backends()
+    backend._session(time.monotonic() + 15)
+    send_create, others = backend._send_create, []
+
+    def create_after_the_listing(client, contender, **kwargs):
+        if kwargs.get("parent_version") is not None and not others:
+            others.append(create_contender(zk, parent))
+            if not stays:
+                zk.delete(others[0][0])
+        return send_create(client, contender, **kwargs)
+
+    backend._send_create = create_after_the_listing
+    if stays:
+        with pytest.raises(distlock.LockNotAcquired):
+            backend.acquire(lock_name, ttl=10, timeout=0, blocking=False)
+        assert our_nodes(zk, options["ROOT"], lock_name) == [others[0][0].rsplit("/", 1)[1]], "only the contender's"
+        zk.delete(others[0][0])
+        zk.delete(parent)
+    else:
+        lease = backend.acquire(lock_name, ttl=10, timeout=0, blocking=False)
+        assert others, "the conditional create was not intercepted"
+        assert lease.token > others[0][1]
+        assert lease.release() is True
+        wait_for(lambda: our_nodes(zk, options["ROOT"], lock_name) is None, 5, "the parent being deleted")
 
 
 def test_no_litter_after_a_thousand_cycles_on_distinct_names(alias, options, zk, lock_name):
@@ -502,3 +583,75 @@ def test_a_grant_that_arrives_after_its_ttl_is_never_handed_out(backends, proxie
     assert lease.release() is True
     proxied.heal()
     wait_for(lambda: our_nodes(zk, options["ROOT"], lock_name) is None, 10, "every node given back")
+
+
+# -- tries under contention ---------------------------------------------------------------------------
+
+def contend_with_tries(alias, recipe, name, ready_dir, *, processes=2, threads=20, seconds=8, hold_ms=3):
+    """Run ``processes`` workers of ``threads`` threads trying ``name`` back to back, started together.
+
+    Return the granted critical sections (dicts with ``owner``, ``token``, ``enter``, ``exit``, ``pid``),
+    the number of tries, and the errors the workers met.
+    """
+    ready = [ready_dir / f"{recipe}-{i}.ready" for i in range(processes)]
+    workers = [spawn("try_hammer", alias=alias, name=name, ready_path=str(path), recipe=recipe, threads=threads,
+                     seconds=seconds, hold_ms=hold_ms) for path in ready]
+    try:
+        def connected():
+            for worker in workers:
+                if worker.poll() is not None:
+                    read_events(worker)  # raises with its stderr
+            return all(path.exists() for path in ready)
+
+        wait_until(connected, 60, f"{recipe} workers connecting")
+        for worker in workers:
+            worker.stdin.write("go\n")
+            worker.stdin.flush()
+        events = [event for worker in workers for event in read_events(worker, timeout=seconds + 120)]
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.communicate()
+    grants = [event for event in events if "enter" in event]
+    tries = sum(event["tries"] for event in events if "tries" in event)
+    errors = [error for event in events if "errors" in event for error in event["errors"]]
+    return grants, tries, errors
+
+
+def as_history(grants, lock):
+    """The checker's history of granted critical sections: an acquire (with its token), an enter, an exit."""
+    history = []
+    for grant in grants:
+        history.append({"t": grant["enter"], "op": "acquire", "owner": grant["owner"], "lock": lock,
+                        "token": grant["token"]})
+        history.append({"t": grant["enter"], "op": "cs_enter", "owner": grant["owner"], "lock": lock})
+        history.append({"t": grant["exit"], "op": "cs_exit", "owner": grant["owner"], "lock": lock})
+    return history
+
+
+@pytest.mark.slow
+def test_tries_do_not_fail_each_other(alias, options, zk, tmp_path, lock_name):
+    """2 processes x 20 threads of back-to-back non-blocking tries for 8 s, 3 ms holds: granted >= 100
+    times and >= 2x kazoo's own recipe on the same ensemble in the same run, one holder at a time.
+
+    Each try used to queue a node that made every concurrent try fail: ~1 grant in 5,700 tries.
+    """
+    kazoo_root = f"{options['ROOT']}-kazoo-recipe"  # this run's own, like ROOT
+    try:
+        kazoo_grants, kazoo_tries, kazoo_errors = contend_with_tries(
+            alias, "kazoo", f"{kazoo_root}/{encode_name(lock_name)}", tmp_path)
+    finally:
+        zk.delete(kazoo_root, recursive=True)
+    grants, tries, errors = contend_with_tries(alias, "distlock", lock_name, tmp_path)
+    figures = (f"distlock: {len(grants)} grants in {tries} tries; "
+               f"kazoo's recipe: {len(kazoo_grants)} grants in {kazoo_tries} tries")
+    print(figures)
+    assert errors == [] and kazoo_errors == [], figures
+    verdict = check(as_history(grants, lock_name))
+    assert verdict.acquisitions == len(grants)
+    assert verdict.overlaps == 0, f"two holders at once ({verdict.max_overlap_ms:.3f} ms); {figures}"
+    assert not verdict.duplicate_tokens and not verdict.regressions, "tokens grow with the grants"
+    assert len(grants) >= 100 and len(grants) >= 2 * len(kazoo_grants), figures
+    # Tries that fail leave nothing behind, and the last one out removed the parent.
+    wait_for(lambda: our_nodes(zk, options["ROOT"], lock_name) is None, 10, "the parent znode being deleted")
