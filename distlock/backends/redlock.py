@@ -729,8 +729,18 @@ class RedlockBackend(BaseLockBackend):
         return held
 
     def force_release(self, name, owner):
-        """Delete ``owner``'s grant of ``name`` on every master; return True if it held a majority of them."""
-        replies = self._run_script(RELEASE, (self._lock_key(name), self._token_key), (owner, 0, self._channel, name),
+        """Delete ``owner``'s grant of ``name`` on every master; return True if it held a majority of them.
+
+        Like the holder's own release it raises every master's counter to the holder's token, read
+        first from the masters that granted it: else a master outside the holder's majority could
+        hand the next holder a token below the evicted one's.
+        """
+        key = self._lock_key(name)
+        grants = self._broadcast(("HMGET", key, "owner", "token"), lambda reply: True, until="everyone")
+        self._require_majority_answered(grants, f"read lock {name!r} before force-releasing it")
+        floor = max((int(grant[1]) for grant in grants
+                     if isinstance(grant, list) and grant[0] is not None and grant[0].decode() == owner), default=0)
+        replies = self._run_script(RELEASE, (key, self._token_key), (owner, floor, self._channel, name),
                                    is_one, must_send=True, until="everyone")
         if sum(1 for reply in replies if is_one(reply)) >= self.quorum:
             return True

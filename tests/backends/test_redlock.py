@@ -275,6 +275,23 @@ def test_release_lifts_every_master_counter_to_the_token(masters, configure, loc
     after.release()
 
 
+def test_force_release_lifts_every_master_counter_to_the_evicted_token(masters, configure, lock_name):
+    backend = configure([server.url for server in masters])
+    other = RedlockBackend("other", {"URLS": [server.url for server in masters[2:]]})
+    try:
+        for _ in range(5):  # masters 2, 3 and 4 run ahead of masters 0 and 1
+            other.acquire(f"{lock_name}:warm", ttl=5, timeout=None, blocking=False).release()
+    finally:
+        other.close()
+    lease = distlock.acquire(lock_name, ttl=10, using=ALIAS)
+    assert backend.force_release(lock_name, lease.owner) is True
+
+    def lowest_counter():
+        return min(int(read(server, "GET", "distlock:token") or 0) for server in masters)
+
+    assert settled(lambda: lowest_counter() >= lease.token, True) is True
+
+
 def test_a_closed_backend_reconnects_for_the_leases_still_out(masters, configure, lock_name):
     """close() (on a settings change, say) must not strand a lease taken before: its release still works."""
     backend = configure([server.url for server in masters])
