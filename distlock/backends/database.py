@@ -7,6 +7,7 @@ session advisory locks belong to a server session, which a transaction-pooling p
 PgBouncer hands to other clients between transactions, so they strand or vanish.
 """
 
+import collections
 import hashlib
 import math
 import os
@@ -229,9 +230,11 @@ class _ConnectionPool:
     thread ends, so a table keyed by them hands one caller's connection to another, and sweeping
     "dead" threads closes connections that live greenlets (invisible to ``threading.enumerate()``)
     are using mid-statement. Here only the caller that checked a connection out uses it, and only that
-    caller closes it. At most ``size`` connections are open per process; a call that finds them all
-    busy waits for one within its own bound. After a fork the child forgets the parent's connections
-    without closing them (closing would talk on the parent's sockets) and opens its own.
+    caller closes it. At most ``size`` connections are open per process. A call that finds them all
+    busy queues, and connections given back go to the queue in arrival order, except that calls which
+    free or keep a lock (release, extend) go first: without that, threads that try a lock back to
+    back take every returned connection again at once, and the holder's release waits behind them. After a fork the child forgets the parent's connections without
+    closing them (closing would talk on the parent's sockets) and opens its own.
     """
 
     def __init__(self, connect, size):
@@ -242,57 +245,85 @@ class _ConnectionPool:
         os.register_at_fork(after_in_child=lambda: (p := pool()) and p._forget_all())
 
     def _forget_all(self):
-        # A new condition too: another thread of the parent may have held the old one during fork().
-        self._changed = threading.Condition()
-        self._idle = []      # wrappers nobody uses (connected, or broken and closed), most recent last
+        # A new lock too: another thread of the parent may have held the old one during fork().
+        self._lock = threading.Lock()
+        self._idle = []      # wrappers nobody uses (connected, or closed and to reconnect), most recent last
         self._in_use = {}    # wrapper -> the generation it was checked out in
+        self._queue = collections.deque()  # _Turn of each call waiting for a connection, in arrival order
         self._generation = object()  # replaced by close(): wrappers of an older one are closed on return
 
     @contextmanager
-    def connection(self, ends, unavailable):
+    def connection(self, ends, unavailable, *, urgent=False):
         """Yield a wrapper nobody else uses until the block ends; wait until ``ends`` for a free one.
 
+        An ``urgent`` call queues ahead of the others (behind earlier urgent ones).
         ``unavailable(waited)`` builds the exception raised when all stay busy. A block that raises
         anything closes its wrapper (its state is unknown) instead of giving it back.
         """
-        wrapper = self._check_out(ends, unavailable)
+        wrapper = self._check_out(ends, unavailable, urgent)
         try:
             yield wrapper
         except BaseException:
-            self._give_back(wrapper, close=True)
+            self._give_back(wrapper, broken=True)
             raise
         self._give_back(wrapper)
 
-    def _check_out(self, ends, unavailable):
-        started = time.monotonic()
-        with self._changed:
-            while not self._idle and len(self._in_use) >= self.size:
+    def _check_out(self, ends, unavailable, urgent):
+        with self._lock:
+            if not self._queue and (self._idle or len(self._in_use) < self.size):
+                return self._hand_out(self._idle.pop() if self._idle else self._connect())
+            turn = _Turn(self._lock, urgent)
+            if urgent:
+                # Behind the urgent turns already queued, ahead of every other one.
+                position = next((i for i, queued in enumerate(self._queue) if not queued.urgent), len(self._queue))
+                self._queue.insert(position, turn)
+            else:
+                self._queue.append(turn)
+            started = time.monotonic()
+            while turn.wrapper is None:
                 remaining = ends - time.monotonic()
                 if remaining <= 0:
+                    self._queue.remove(turn)
                     raise unavailable(time.monotonic() - started)
-                self._changed.wait(remaining)
-            wrapper = self._idle.pop() if self._idle else self._connect()
-            self._in_use[wrapper] = self._generation
-            return wrapper
+                turn.ready.wait(remaining)
+            return turn.wrapper
 
-    def _give_back(self, wrapper, close=False):
-        with self._changed:
+    def _hand_out(self, wrapper):
+        self._in_use[wrapper] = self._generation
+        return wrapper
+
+    def _give_back(self, wrapper, broken=False):
+        with self._lock:
             generation = self._in_use.pop(wrapper, None)
             if generation is None:
                 return  # checked out before a fork: the parent's, not ours to close
-            self._changed.notify()
-            if not close and generation is self._generation:
+            reusable = not broken and generation is self._generation
+            if self._queue:
+                # Whoever waits longest gets it (or, for one that must be closed, a new wrapper).
+                turn = self._queue.popleft()
+                turn.wrapper = self._hand_out(wrapper if reusable else self._connect())
+                turn.ready.notify()
+            elif reusable:
                 self._idle.append(wrapper)
-                return
-        _close(wrapper)
+        if not reusable:
+            _close(wrapper)
 
     def close(self):
         """Close the idle connections now; those in use are closed when their call gives them back."""
-        with self._changed:
+        with self._lock:
             idle, self._idle = self._idle, []
             self._generation = object()
         for wrapper in idle:
             _close(wrapper)
+
+
+class _Turn:
+    """A call's place in the pool's queue: the giver puts the connection here and wakes it."""
+
+    def __init__(self, lock, urgent):
+        self.ready = threading.Condition(lock)
+        self.urgent = urgent
+        self.wrapper = None
 
 
 def _close(wrapper):
@@ -492,19 +523,20 @@ class DatabaseBackend(BaseLockBackend):
             return limit
         return min(limit, max(deadline - time.monotonic(), MIN_CALL_BOUND))
 
-    def _run(self, step, params, *, deadline=None):
+    def _run(self, step, params, *, deadline=None, urgent=False):
         """Return ``step(cursor, params)`` run on a connection of the pool, within the call's bound.
 
         Every database error drops the connection (so no half-done transaction survives) and becomes
         ``BackendUnavailable``. A reused connection found broken (a server restart, an idle connection
         cut) is replaced and the call retried once: every step is safe to repeat for its owner.
+        ``urgent`` calls (release, extend) go ahead of the others waiting for a connection.
         """
         bound = self._call_bound(deadline)
         ends = time.monotonic() + bound
         configured_options = settings.DATABASES[self.database].get("OPTIONS", {})
         retried = False
         while True:
-            with self._pool.connection(ends, partial(self._pool_busy, bound)) as wrapper:
+            with self._pool.connection(ends, partial(self._pool_busy, bound), urgent=urgent) as wrapper:
                 reused = wrapper.connection is not None
                 watch = None
                 try:
@@ -578,7 +610,8 @@ class DatabaseBackend(BaseLockBackend):
 
     def _do_extend(self, lease, ttl):
         self._refuse_self_deadlock(lease.name)
-        return self._run(self._dialect.extend, {"name": lease.name, "owner": lease.owner, "ttl": ttl}) is not None
+        return self._run(self._dialect.extend, {"name": lease.name, "owner": lease.owner, "ttl": ttl},
+                         urgent=True) is not None
 
     def held_locks(self, prefix=""):
         rows = self._run(self._dialect.held, {"prefix": prefix, "prefix_length": len(prefix)})
@@ -590,7 +623,7 @@ class DatabaseBackend(BaseLockBackend):
 
     def force_release(self, name, owner):
         self._refuse_self_deadlock(name)
-        row = self._run(self._dialect.release, {"name": name, "owner": owner})
+        row = self._run(self._dialect.release, {"name": name, "owner": owner}, urgent=True)
         return row is not None and bool(row[0])
 
     def ping(self):

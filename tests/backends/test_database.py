@@ -422,6 +422,39 @@ def test_a_forked_child_never_touches_the_parent_s_connections():
 
 
 @pytest.mark.slow
+def test_tries_from_many_threads_neither_fail_with_errors_nor_starve_the_holder(db_alias, lock_name):
+    """20 threads trying one name back to back: a failing try must not hold up the holder's release.
+
+    Tries that queued for the write slot (SQLite) or for the name's guard (PostgreSQL) held their
+    connection meanwhile, so a release could wait past its bound for a connection or the slot.
+    """
+    ends = time.monotonic() + 4
+    grants, errors = [], []
+
+    def try_back_to_back():
+        while time.monotonic() < ends:
+            try:
+                lease = distlock.acquire(lock_name, ttl=10, blocking=False, using=db_alias)
+            except distlock.LockNotAcquired:
+                continue
+            except distlock.BackendUnavailable as exc:
+                errors.append(exc)
+                continue
+            time.sleep(0.003)  # the critical section
+            grants.append(lease.token)
+            if not lease.release():
+                errors.append(f"release of token {lease.token} failed")
+
+    threads = [threading.Thread(target=try_back_to_back) for _ in range(20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, f"{len(errors)} errors, first: {errors[0]}"
+    assert len(grants) >= 20, f"only {len(grants)} grants in 4 s"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("library", ["gevent", "eventlet"])
 def test_green_threads_each_get_a_connection_none_closed_under_another_and_the_count_stays_bounded(
         db_alias, library):
