@@ -1,6 +1,7 @@
 """The public entry points: ``acquire()``, ``lock()``, ``read_lock()`` and ``write_lock()``."""
 
 import functools
+import logging
 import time
 
 from distlock import metrics
@@ -9,8 +10,10 @@ from distlock.conf import DEFAULT_ALIAS
 from distlock.exceptions import BackendUnavailable, LockNotAcquired
 from distlock.handler import locks
 from distlock.renewal import Renewer
-from distlock.signals import lock_acquired
+from distlock.signals import lock_acquired, send_robustly
 from distlock.validation import validate_alias, validate_flag, validate_name, validate_seconds
+
+logger = logging.getLogger("distlock.api")
 
 
 def acquire(name, ttl=None, timeout=None, blocking=True, using=DEFAULT_ALIAS, auto_renew=None, max_hold=None,
@@ -63,13 +66,52 @@ def acquire(name, ttl=None, timeout=None, blocking=True, using=DEFAULT_ALIAS, au
     except BackendUnavailable:
         metrics.record_acquire(using, name, ttl, time.monotonic() - started, "unavailable")
         raise
-    waited = time.monotonic() - started
-    metrics.record_acquire(using, name, ttl, waited, "acquired", lease)
-    if auto_renew:
-        lease._renewer = Renewer(lease, max_hold=max_hold)
-        lease._renewer.start()
-    lock_acquired.send(sender=type(backend), alias=using, lease=lease)
+    # The lock is ours on the server from here. Nothing below may leak it: whatever raises, including
+    # a BaseException that arrives between any two lines (Celery's SoftTimeLimitExceeded from a signal
+    # handler, gevent.Timeout, KeyboardInterrupt), gives the grant back before it propagates. The
+    # renewal thread starts last, so a lease that never reaches its caller has never been renewed.
+    #
+    # What is left, each a few bytecodes wide (CPython runs signal handlers where a call returns or a
+    # function starts, not between the assignment below and the ``try``): (1) inside the backend call,
+    # between the server's grant and its return (the backend's own cleanup covers what it can); (2) as
+    # the backend call returns, before ``lease`` is assigned; (3) in the caller, as this function
+    # returns, before the caller stores the lease (``lock()`` below stores it at once); (4) a second
+    # exception landing inside ``_give_back`` before it cancelled the renewal or deleted the lock. In
+    # (1) to (3) either no renewer runs, or the lease is referenced by no frame and its renewer, which
+    # holds it weakly, ends at its next wake-up; in (4) the renewal is cancelled first. Either way
+    # nothing renews the lock and the server frees it at its ttl, or with the session.
+    renewer = None
+    announced = False
+    try:
+        metrics.record_acquire(using, name, ttl, time.monotonic() - started, "acquired", lease)
+        if auto_renew:
+            renewer = lease._renewer = Renewer(lease, max_hold=max_hold)
+        announced = True
+        send_robustly(lock_acquired, "lock_acquired", sender=type(backend), alias=using, lease=lease)
+        if renewer is not None:
+            renewer.start()
+    except BaseException:
+        _give_back(lease, announced)
+        raise
     return lease
+
+
+def _give_back(lease, announced):
+    """Release ``lease``, which its caller will never use, for an exception on its way to that caller.
+
+    Its renewal is cancelled first (one flag, nothing that can block), then the lock is deleted. An
+    error while giving back is logged, not raised: the exception the caller sees is the original one.
+    """
+    renewer = lease._renewer
+    if renewer is not None:
+        renewer.cancel()
+    try:
+        lease._end(announce=announced)
+    except BaseException:
+        logger.exception(
+            "Could not give back lock %r (alias %r, token %s), acquired by a call that failed; "
+            "nothing renews it, so the server frees it when its ttl or session ends.",
+            lease.name, lease.alias, lease.token)
 
 
 class lock:  # noqa: N801 - used like a function: ``with lock(...)`` and ``@lock(...)``
@@ -94,7 +136,14 @@ class lock:  # noqa: N801 - used like a function: ``with lock(...)`` and ``@lock
 
     def __enter__(self):
         lease = acquire(**self._kwargs)
-        self._leases.append(lease)
+        try:
+            self._leases.append(lease)
+        except BaseException:
+            # Interrupted before the ``with`` block began: ``__exit__`` will not run, so release here.
+            if self._leases and self._leases[-1] is lease:
+                self._leases.pop()
+            _give_back(lease, announced=True)
+            raise
         return lease
 
     def __exit__(self, exc_type, exc, tb):
@@ -104,8 +153,13 @@ class lock:  # noqa: N801 - used like a function: ``with lock(...)`` and ``@lock
     def __call__(self, func):
         @functools.wraps(func)
         def locked(*args, **kwargs):
-            with acquire(**self._kwargs):
+            # Not ``with acquire(...)``: an exception landing as ``Lease.__enter__`` starts would skip
+            # ``__exit__`` while that frame, kept by the traceback, keeps the lease (and its renewal) alive.
+            lease = acquire(**self._kwargs)
+            try:
                 return func(*args, **kwargs)
+            finally:
+                lease.release()
 
         return locked
 

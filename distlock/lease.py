@@ -7,7 +7,7 @@ from datetime import datetime, timedelta, timezone
 
 from distlock import metrics
 from distlock.exceptions import LockLost, LockSuspended
-from distlock.signals import lock_lost, lock_released
+from distlock.signals import lock_lost, lock_released, send_robustly
 from distlock.validation import validate_seconds
 
 logger = logging.getLogger("distlock.lease")
@@ -125,14 +125,19 @@ class Lease:
                 self._valid_until = started + validity
 
     def mark_lost(self, reason):
-        """Mark the lease lost (once) and send ``lock_lost``; later ``check()`` calls raise ``LockLost``."""
+        """Mark the lease lost (once), then send ``lock_lost``; later ``check()`` calls raise ``LockLost``.
+
+        Called from renewal and backend threads: the lease is marked before any receiver runs, and a
+        receiver that raises is logged (``send_robust``), so it stops neither the other receivers nor
+        the thread that found the loss.
+        """
         with self._state_lock:
             if self._lost_reason is not None or self._released:
                 return
             self._lost_reason = reason
         logger.warning("Lost lock %r (alias %r, token %s): %s", self.name, self.alias, self.token, reason)
         metrics.record_lost(self)
-        lock_lost.send(sender=type(self.backend), alias=self.alias, lease=self, reason=reason)
+        send_robustly(lock_lost, "lock_lost", sender=type(self.backend), alias=self.alias, lease=self, reason=reason)
 
     def mark_suspended(self, suspended):
         """Flag the lease uncertain (connection suspended) or certain again (reconnected, lock still ours)."""
@@ -160,17 +165,36 @@ class Lease:
         """Delete the lock on the server if this lease still owns it; return True if it did.
 
         Releasing twice, or after another owner took the lock over, deletes nothing and returns False.
+        A ``lock_released`` receiver that raises is logged, not raised.
         """
+        return self._end(announce=True)
+
+    def _end(self, *, announce):
+        """Stop renewal, then delete the lock; send ``lock_released`` if ``announce``.
+
+        The steps are ordered for an exception (a time limit, ``KeyboardInterrupt``) that arrives
+        between any two of them: renewal is told to stop in the same step that marks the lease
+        released, before anything that can block, so an interrupted release never leaves the lock
+        renewed; the thread is joined before the delete, so no extension in flight races it. Whatever
+        is cut short after that leaves a lock nobody renews, which the server frees at its ttl or with
+        the session. A release interrupted before the delete cannot be retried (the lease already
+        counts as released): it expires.
+        """
+        renewer = self._renewer
         with self._state_lock:
             if self._released:
                 return False
             self._released = True
-        if self._renewer is not None:
-            self._renewer.stop()
+            if renewer is not None:
+                renewer.cancel()
+        if renewer is not None:
+            renewer.stop()
         # Compare-and-delete is safe even for a lease believed lost: it only deletes our own record.
         released = self.backend.release(self)
         metrics.record_release(self)
-        lock_released.send(sender=type(self.backend), alias=self.alias, lease=self, released=released)
+        if announce:
+            send_robustly(lock_released, "lock_released", sender=type(self.backend), alias=self.alias, lease=self,
+                          released=released)
         return released
 
     def __enter__(self):

@@ -17,7 +17,10 @@ class Renewer:
     own renewal and then expires on the server. Renewal stops, and the lock is released and the lease
     marked lost, once ``max_hold`` seconds have passed: a hung worker whose renewal thread still runs
     must not hold the lock forever. A server that cannot be reached is retried until the lease's own
-    validity runs out; then the lease is marked lost.
+    validity runs out; then the lease is marked lost. Any other error of an extension (a bug, a reply
+    the client could not read) is logged with its traceback and retried the same way: the thread never
+    dies leaving a lease that looks held but is no longer renewed. If the thread ends for any reason
+    other than the lease's end, it marks the lease lost first.
     """
 
     #: Fraction of the ttl between two extensions.
@@ -29,11 +32,20 @@ class Renewer:
         self._interval = lease.ttl * self.interval_ratio
         self._hold_deadline = None if max_hold is None else lease._started + max_hold
         self._clock = clock
+        # Counted from the acquire request, not from start(): ``acquire()`` starts the thread only
+        # after the ``lock_acquired`` receivers ran, and a slow receiver must not delay the first
+        # extension past the lease's validity.
+        self._due = lease._started + self._interval
         self._stopped = threading.Event()
         self._thread = thread_class(target=self._run, name=f"distlock-renew:{lease.name[:40]}", daemon=True)
 
     def start(self):
+        """Start the thread (once). A renewer cancelled before, or while, it starts never extends."""
         self._thread.start()
+
+    def cancel(self):
+        """Tell the thread to stop at its next wake-up, without waiting: one flag, nothing that blocks."""
+        self._stopped.set()
 
     def stop(self):
         """Stop renewing; join the thread unless called from it."""
@@ -41,19 +53,33 @@ class Renewer:
         if threading.current_thread() is not self._thread and self._thread.is_alive():
             self._thread.join()
 
+    @property
+    def running(self):
+        """True while the thread is alive."""
+        return self._thread.is_alive()
+
     def _run(self):
-        while not self._stopped.wait(self._next_wait()):
+        try:
+            while not self._stopped.wait(self._next_wait()):
+                lease = self._lease_ref()
+                if lease is None or lease.released or lease._lost_reason is not None:
+                    return
+                if self._hold_deadline is not None and self._clock() >= self._hold_deadline:
+                    self._stop_at_max_hold(lease)
+                    return
+                self._renew(lease)
+                self._due = self._clock() + self._interval
+                del lease
+        except BaseException as exc:
+            # Not expected (``_renew`` handles extension errors): fail closed, so the holder's next
+            # check() raises instead of trusting a lease nobody renews any more.
             lease = self._lease_ref()
-            if lease is None or lease.released or lease._lost_reason is not None:
-                return
-            if self._hold_deadline is not None and self._clock() >= self._hold_deadline:
-                self._stop_at_max_hold(lease)
-                return
-            self._renew(lease)
-            del lease
+            if lease is not None and not self._stopped.is_set():
+                lease.mark_lost(f"its renewal thread stopped on an unexpected error ({exc!r})")
+            raise
 
     def _next_wait(self):
-        wait = self._interval
+        wait = max(0.0, self._due - self._clock())
         if self._hold_deadline is not None:
             wait = min(wait, max(0.0, self._hold_deadline - self._clock()))
         return wait
@@ -72,6 +98,14 @@ class Renewer:
             else:
                 logger.warning("Renewing lock %r failed, retrying: %s", lease.name, exc)
             return
+        except Exception as exc:
+            # Unexpected, so with its traceback; retried like an unreachable server, because the
+            # lock may well still be ours until the lease's validity runs out, and not after.
+            if lease.remaining() <= 0:
+                lease.mark_lost(f"renewal failed until the lease ran out ({exc!r})")
+            else:
+                logger.error("Renewing lock %r raised an unexpected error, retrying", lease.name, exc_info=True)
+            return
         took = self._clock() - started
         if took > self._interval:
             logger.warning("Renewing lock %r took %.3fs, longer than the renewal interval %.3fs",
@@ -82,4 +116,6 @@ class Renewer:
             lease.backend.release(lease)
         except BackendUnavailable as exc:
             logger.warning("Releasing lock %r at max_hold failed (%s); it expires on the server", lease.name, exc)
+        except Exception:
+            logger.error("Releasing lock %r at max_hold raised; it expires on the server", lease.name, exc_info=True)
         lease.mark_lost("max_hold reached: renewal stopped and the lock was released")

@@ -1,6 +1,10 @@
 """Signals sent by distlock; ``sender`` is always the backend class (or the model class for fencing)."""
 
+import logging
+
 from django.dispatch import Signal
+
+logger = logging.getLogger("distlock.signals")
 
 #: Sent after a lease is acquired. Arguments: ``alias``, ``lease``.
 lock_acquired = Signal()
@@ -18,3 +22,21 @@ fencing_token_rejected = Signal()
 
 #: Sent when ``@single_instance_task`` skips a run because its key is held. Arguments: ``task``, ``key``, ``task_id``.
 task_skipped = Signal()
+
+
+def send_robustly(signal, name, **kwargs):
+    """Send ``signal`` (named ``name`` in the log) with ``send_robust``; log each receiver that raised.
+
+    Receivers are user code and run on the caller's thread, a renewal thread or a backend's own
+    thread: none of them may stop the others from running, leave a lease half-marked, or kill the
+    thread that sends. Exceptions other than ``Exception`` (a time limit, ``KeyboardInterrupt``)
+    are not caught by ``send_robust`` and propagate.
+    """
+    for receiver, result in signal.send_robust(**kwargs):
+        if isinstance(result, Exception):
+            logger.error("A %s receiver, %s, raised; the other receivers ran and distlock carried on.",
+                         name, _receiver_name(receiver), exc_info=result)
+
+
+def _receiver_name(receiver):
+    return getattr(receiver, "__qualname__", None) or repr(receiver)

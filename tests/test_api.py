@@ -158,3 +158,16 @@ def test_renewer_never_extends_past_max_hold():
     renewer._renew(lease)
     assert extended == [pytest.approx(0.5)]
     lease.release()
+
+
+def test_the_first_extension_is_due_a_third_of_the_ttl_after_the_acquire_request():
+    # acquire() starts the renewal thread after the lock_acquired receivers ran: time they take must
+    # not push the first extension towards the end of the lease's validity.
+    lease = distlock.acquire("due", ttl=3, using=ALIAS)
+    clock = FakeClock()
+    clock.now = lease._started + 0.9
+    renewer = Renewer(lease, clock=clock)
+    assert renewer._next_wait() == pytest.approx(0.1)
+    clock.now = lease._started + 2
+    assert renewer._next_wait() == 0
+    lease.release()

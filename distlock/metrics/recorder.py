@@ -177,10 +177,19 @@ class Recorder:
             self._events.append((_TASK_CONFLICT, alias, name, outcome))
 
     def _start_recording(self):
-        """Read ``ENABLED`` (first event, or first after a settings change or a fork); start the thread if on."""
-        recording = conf.get().enabled
-        if recording and self._thread is None:
-            self._start()
+        """Read ``ENABLED`` (first event, or first after a settings change or a fork); start the thread if on.
+
+        Never raises into the caller, who may hold a lock just granted: if the settings are invalid or
+        the thread cannot start, log it once and record nothing until the settings change.
+        """
+        try:
+            recording = conf.get().enabled
+            if recording and self._thread is None:
+                self._start()
+        except Exception:
+            logger.error("Lock metrics are off in this process until settings.DISTLOCK_METRICS changes: "
+                         "recording could not start (`manage.py check` reports a bad setting).", exc_info=True)
+            recording = False
         self._recording = recording
         return recording
 
