@@ -16,7 +16,12 @@ Bulk (``FencedQuerySet.fenced_update``), in one transaction::
 
 Claim (``FencedQuerySet.claim``): ``CLAIM_BY_PK_SQL`` or, for any other lookup, ``CLAIM_SQL`` where
 ``UPDATE … RETURNING`` exists (PostgreSQL, SQLite >= 3.35); elsewhere ``SELECT … FOR UPDATE`` then
-the same conditional UPDATE, in a transaction.
+the same conditional UPDATE, in a transaction. ``claim()`` refuses to run inside the caller's open
+transaction: a rollback would lower the token again (``claim_in_transaction()`` accepts that, explicitly).
+
+Every other statement that can set the token (``QuerySet.update()``, ``bulk_update()``,
+``bulk_create(update_conflicts=True)``) is refused on a ``FencedQuerySet`` unless the caller asked
+for it with ``unfenced()`` (``refuse_token_write``).
 
 Rejections are counted, logged to ``FencingRejection`` so that the row outlives the caller's
 transaction (``log_rejections`` says how, per database) and signalled.
@@ -28,10 +33,11 @@ import time
 from dataclasses import dataclass
 
 from django.apps import apps
-from django.core.exceptions import EmptyResultSet
+from django.core.exceptions import EmptyResultSet, FieldDoesNotExist
 from django.db import DatabaseError, OperationalError, connections, transaction
 from django.db.models.lookups import LessThanOrEqual
 from django.db.models.sql.where import AND
+from django.db.transaction import TransactionManagementError
 
 from distlock import metrics
 from distlock.exceptions import StaleFencingToken, UnsafeFencingToken
@@ -134,6 +140,53 @@ def guards(table_model, model):
     return owner._meta.concrete_model is table_model._meta.concrete_model
 
 
+# -- the writes distlock does not make -------------------------------------------------------------
+
+def refuse_token_write(queryset, method, names):
+    """Raise ``ValueError`` if ``names`` (field names or attnames) set the token and ``queryset`` is not ``unfenced()``.
+
+    ``method`` is the call as the caller wrote it, for the message.
+    """
+    if getattr(queryset, "_token_writable", False):
+        return
+    model = queryset.model
+    for name in names:
+        try:
+            field = model._meta.get_field(name)
+        except FieldDoesNotExist:
+            continue  # Django reports it, with its own message
+        if getattr(field, "attname", None) == TOKEN_FIELD:
+            raise ValueError(
+                f"{model._meta.label}: {method} would set {TOKEN_FIELD} outside the fence; a lowered token "
+                f"lets stale holders' writes through. Write under the fence with fenced_update(lease, **fields) "
+                f"or save(lease=lease); to set the token yourself (e.g. to reset rows after moving to another "
+                f"lock alias), ask for it: {model.__name__}.objects.unfenced().{method.split('(')[0]}(...)."
+            )
+
+
+def _token_writer(queryset):
+    """Return ``queryset`` allowed to set the token: distlock's own statements keep the invariant in their WHERE."""
+    unfenced = getattr(queryset, "unfenced", None)
+    return unfenced() if unfenced is not None else queryset
+
+
+def refuse_open_transaction(model, using):
+    """Raise ``TransactionManagementError`` if the connection of ``using`` is inside a transaction.
+
+    A claim made inside a transaction that rolls back is taken back with it: the row's token goes
+    down again while the claimer still holds the lock, and the older holder's stale writes land.
+    """
+    connection = transaction.get_connection(using)
+    if connection.in_atomic_block or not connection.get_autocommit():
+        raise TransactionManagementError(
+            f"{model._meta.label}: claim() refuses to run inside an open transaction on database '{using}': "
+            "a rollback would take the claim back, and an older holder's stale writes would be accepted again "
+            "while you hold the lock. Claim before transaction.atomic() (the claim commits at once; a view "
+            "under ATOMIC_REQUESTS needs @transaction.non_atomic_requests), or call claim_in_transaction() to "
+            "make the claim part of your transaction and claim again after any rollback."
+        )
+
+
 # -- the statements -------------------------------------------------------------------------------
 
 def update_row(instance, base_qs, pk_val, values, offer):
@@ -168,13 +221,17 @@ def updates_return_rows(connection):
     return connection.vendor == "sqlite" and connection.Database.sqlite_version_info >= (3, 35)
 
 
-def claim(queryset, offer, lookup):
+def claim(queryset, offer, lookup, *, in_transaction=False):
     """Raise the token of the one row ``queryset.filter(**lookup)`` matches to ``offer.token``; return that row.
 
     Raise ``DoesNotExist`` / ``MultipleObjectsReturned`` like ``get()``, and ``StaleFencingToken``
-    if a higher token has claimed the row; in every such case nothing changes.
+    if a higher token has claimed the row; in every such case nothing changes. Unless
+    ``in_transaction``, raise ``TransactionManagementError`` inside an open transaction (see
+    ``refuse_open_transaction``).
     """
     model = queryset.model
+    if not in_transaction:
+        refuse_open_transaction(model, queryset.db)
     if not guards(model, model):
         owner = model._meta.get_field(TOKEN_FIELD).model
         raise TypeError(
@@ -276,8 +333,13 @@ def _claim_locking(matched, token):
         rows = list(matched.select_for_update()[:2])
         if len(rows) != 1 or getattr(rows[0], TOKEN_FIELD) > token:
             return []
-        # The row is locked until commit, so its token cannot have moved since the read.
-        matched.model._base_manager.using(matched.db).filter(pk=rows[0].pk).update(**{TOKEN_FIELD: token})
+        # The row is locked until commit, so its token cannot have moved since the read. The condition
+        # keeps the invariant where that lock does not hold (select_for_update() is a no-op on SQLite):
+        # a token raised since the read makes this match nothing, and the caller's read explains why.
+        raised = _token_writer(matched.model._base_manager.using(matched.db)).filter(
+            pk=rows[0].pk, **{f"{TOKEN_FIELD}__lte": token}).update(**{TOKEN_FIELD: token})
+        if not raised:
+            return []
         setattr(rows[0], TOKEN_FIELD, token)
         return rows
 
@@ -294,7 +356,7 @@ def fenced_update(queryset, offer, fields):
     if not fields:
         raise TypeError("fenced_update() needs at least one field to set, e.g. fenced_update(token, status='done').")
     with transaction.atomic(using=queryset.db):
-        updated = queryset.filter(**{f"{TOKEN_FIELD}__lte": offer.token}).update(
+        updated = _token_writer(queryset).filter(**{f"{TOKEN_FIELD}__lte": offer.token}).update(
             **fields, **{TOKEN_FIELD: offer.token})
         stale = list(queryset.filter(**{f"{TOKEN_FIELD}__gt": offer.token}).order_by()
                      .values_list("pk", TOKEN_FIELD))

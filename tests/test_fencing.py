@@ -11,6 +11,7 @@ import pytest
 from django.conf import settings
 from django.db import connections, models, transaction
 from django.db.models import F
+from django.db.transaction import TransactionManagementError
 from django.test.utils import CaptureQueriesContext
 
 import distlock
@@ -426,6 +427,259 @@ def test_fenced_update_skips_and_records_stale_rows(db, recorded, lock_name):
 
     assert Account.objects.using(db).filter(name="bulk").fenced_update(lease.token + 40, note="all") == 3
     assert Account.objects.using(db).filter(name="nothing").fenced_update(1, note="none") == 0
+
+
+# -- no path of distlock lowers a token ----------------------------------------------------------------
+
+def claim_by_pk(db, account, lease_or_token, monkeypatch):
+    Account.objects.using(db).claim(lease_or_token, pk=account.pk)
+
+
+def claim_by_lookup(db, account, lease_or_token, monkeypatch):
+    Account.objects.using(db).filter(balance__gte=0).claim(lease_or_token, name=account.name)
+
+
+def claim_without_returning(db, account, lease_or_token, monkeypatch):
+    monkeypatch.setattr(fencing, "updates_return_rows", lambda connection: False)
+    Account.objects.using(db).claim(lease_or_token, pk=account.pk)
+
+
+def save_with(db, account, lease_or_token, monkeypatch):
+    account.balance = 99
+    if isinstance(lease_or_token, int):
+        account.save(fencing_token=lease_or_token)
+    else:
+        account.save(lease=lease_or_token)
+
+
+def fenced_update_with(db, account, lease_or_token, monkeypatch):
+    assert Account.objects.using(db).filter(pk=account.pk).fenced_update(lease_or_token, balance=99) == 0
+
+
+WRITE_PATHS = {"claim by pk": claim_by_pk, "claim by lookup": claim_by_lookup,
+               "claim without RETURNING": claim_without_returning, "save": save_with,
+               "fenced_update": fenced_update_with}
+
+
+@pytest.mark.parametrize("carried", ["lease", "token"])
+@pytest.mark.parametrize("path", list(WRITE_PATHS))
+def test_a_lower_token_never_lands(db, lock_name, monkeypatch, path, carried):
+    """Every write path of distlock, given a token below the row's: refused and logged, the row unchanged."""
+    with distlock.lock(lock_name, ttl=30, using="locmem") as older:
+        account = Account.objects.using(db).create(name=f"lower:{lock_name}", balance=1)
+        Account.objects.using(db).claim(older.token + 1, pk=account.pk)
+        try:
+            WRITE_PATHS[path](db, stored(db, account), older if carried == "lease" else older.token, monkeypatch)
+        except distlock.StaleFencingToken:
+            pass
+    row = stored(db, account)
+    assert (row.balance, row.fencing_token) == (1, older.token + 1)
+    assert [(r.offered_token, r.current_token) for r in rejections(db, account)] == [(older.token, older.token + 1)]
+
+
+def test_claim_without_returning_never_lowers_a_token_raised_after_its_read(db, monkeypatch):
+    """The locking claim's UPDATE keeps its own condition, for databases where the row lock does not hold.
+
+    Stand-in for a writer that slips in between the claim's SELECT and its UPDATE (SQLite ignores
+    select_for_update()): the token is raised to 50 on the claim's own connection right after the SELECT.
+    """
+    monkeypatch.setattr(fencing, "updates_return_rows", lambda connection: False)
+    account = Account.objects.using(db).create(balance=1)
+    table = connections[db].ops.quote_name(Account._meta.db_table)
+    raised = []
+
+    def raise_after_the_read(execute, sql, params, many, context):
+        result = execute(sql, params, many, context)
+        if sql.startswith("SELECT") and table in sql and not raised:
+            raised.append(sql)
+            with connections[db].cursor() as cursor:  # the same connection, hence the same transaction
+                cursor.execute(f"UPDATE {table} SET fencing_token = 50 WHERE id = %s", [account.pk])
+        return result
+
+    with connections[db].execute_wrapper(raise_after_the_read):
+        with pytest.raises(distlock.StaleFencingToken) as caught:
+            Account.objects.using(db).claim(40, pk=account.pk)
+    assert raised, "the claim did not read the row first: the scenario did not happen"
+    assert (caught.value.offered_token, caught.value.current_token) == (40, 50)
+    assert stored(db, account).fencing_token == 50
+
+
+# -- claim() and the caller's transaction ----------------------------------------------------------------
+
+def test_claim_refuses_to_run_inside_a_transaction(db):
+    """A claim rolled back with its transaction would hand the row back to the older holder: refused up front."""
+    account = Account.objects.using(db).create(balance=1)
+    Account.objects.using(db).claim(33, pk=account.pk)  # A, the older holder
+    refused = r"fencing_app\.Account: claim\(\) refuses to run inside an open transaction on database '%s'.*" \
+              r"before transaction\.atomic\(\).*claim_in_transaction\(\)" % db
+    with transaction.atomic(using=db):
+        with CaptureQueriesContext(connections[db]) as queries:
+            with pytest.raises(TransactionManagementError, match=refused):
+                Account.objects.using(db).claim(34, pk=account.pk)
+            with transaction.atomic(using=db):  # a savepoint is a transaction too
+                with pytest.raises(TransactionManagementError, match=refused):
+                    Account.objects.using(db).filter(balance=1).claim(34, pk=account.pk)
+        touched = [q["sql"] for q in queries if "SAVEPOINT" not in q["sql"]]  # the test's own savepoint aside
+        assert touched == []
+    transaction.set_autocommit(False, using=db)
+    try:
+        with pytest.raises(TransactionManagementError, match=refused):
+            Account.objects.using(db).claim(34, pk=account.pk)
+    finally:
+        transaction.rollback(using=db)
+        transaction.set_autocommit(True, using=db)
+    assert stored(db, account).fencing_token == 33
+
+
+def test_claim_before_the_transaction_survives_its_rollback(db):
+    """The fix the refusal names: claim first (committed at once), then write in a transaction; a rollback
+    of the writes keeps the fence."""
+
+    class Rollback(Exception):
+        pass
+
+    account = Account.objects.using(db).create(balance=1)
+    stale = stored(db, account)  # A's copy, read under token 33
+    Account.objects.using(db).claim(33, pk=account.pk)
+    claimed = Account.objects.using(db).claim(34, pk=account.pk)  # B
+    with pytest.raises(Rollback):
+        with transaction.atomic(using=db):
+            claimed.balance = 2
+            claimed.save(fencing_token=34)
+            raise Rollback
+    stale.balance = 3
+    with pytest.raises(distlock.StaleFencingToken):
+        stale.save(fencing_token=33)
+    row = stored(db, account)
+    assert (row.balance, row.fencing_token) == (1, 34)
+
+
+@pytest.mark.parametrize("outcome", ["commit", "rollback"])
+def test_claim_in_transaction_commits_or_rolls_back_with_it(db, outcome):
+    """The explicit opt-in: the claim is part of the caller's transaction, rollback included."""
+
+    class Rollback(Exception):
+        pass
+
+    account = Account.objects.using(db).create(balance=1)
+    Account.objects.using(db).claim(33, pk=account.pk)
+    try:
+        with transaction.atomic(using=db):
+            claimed = Account.objects.using(db).claim_in_transaction(34, pk=account.pk)
+            assert claimed.fencing_token == 34
+            if outcome == "rollback":
+                raise Rollback
+    except Rollback:
+        pass
+    stale = stored(db, account)
+    stale.balance = 3
+    if outcome == "commit":
+        with pytest.raises(distlock.StaleFencingToken):
+            stale.save(fencing_token=33)
+        assert stored(db, account).fencing_token == 34
+    else:  # what claim_in_transaction() accepts: the claim is void, the older holder writes again
+        stale.save(fencing_token=33)
+        assert (stored(db, account).balance, stored(db, account).fencing_token) == (3, 33)
+
+
+# -- every ORM write path of a fenced model --------------------------------------------------------------
+
+def fenced_row(db, token=34, **fields):
+    account = Account.objects.using(db).create(balance=1, **fields)
+    account.save(fencing_token=token)
+    return account
+
+
+def test_update_refuses_to_set_the_token_unless_unfenced(db):
+    account = fenced_row(db)
+    refused = r"fencing_app\.Account: update\(\) would set fencing_token .*fenced_update\(lease.*" \
+              r"Account\.objects\.unfenced\(\)\.update\(\.\.\.\)"
+    rows = Account.objects.using(db).filter(pk=account.pk)
+    for lowered in ({"fencing_token": 1}, {"fencing_token": F("fencing_token") - 30},
+                    {"balance": 5, "fencing_token": 0}):
+        with pytest.raises(ValueError, match=refused):
+            rows.update(**lowered)
+    with pytest.raises(ValueError, match=refused):
+        Account.objects.using(db).update(fencing_token=1)  # through the manager
+    with pytest.raises(ValueError, match=r"fencing_app\.SavingsAccount: update\(\)"):
+        SavingsAccount.objects.using(db).update(fencing_token=1)  # the token in the parent's table
+    assert (stored(db, account).balance, stored(db, account).fencing_token) == (1, 34)
+    stale = stored(db, account)
+    with pytest.raises(distlock.StaleFencingToken):
+        stale.save(fencing_token=33)
+
+    assert rows.update(note="other columns are not fenced") == 1
+    assert stored(db, account).fencing_token == 34
+    # Asked for explicitly; the opt-in survives chaining and stays on that queryset only.
+    assert Account.objects.using(db).unfenced().filter(pk=account.pk).update(fencing_token=1) == 1
+    with pytest.raises(ValueError, match=refused):
+        rows.update(fencing_token=2)
+    assert stored(db, account).fencing_token == 1
+    stale.save(fencing_token=33)  # what the opt-in risks: the older token is accepted again
+
+
+def test_bulk_update_refuses_to_set_the_token_unless_unfenced(db):
+    accounts = [fenced_row(db), fenced_row(db)]
+    copies = [stored(db, account) for account in accounts]
+    for copy in copies:
+        copy.balance, copy.fencing_token = 7, 1
+    with pytest.raises(ValueError, match=r"fencing_app\.Account: bulk_update\(\) would set fencing_token .*"
+                                         r"Account\.objects\.unfenced\(\)\.bulk_update\(\.\.\.\)"):
+        Account.objects.using(db).bulk_update(copies, ["balance", "fencing_token"])
+    assert [(stored(db, a).balance, stored(db, a).fencing_token) for a in accounts] == [(1, 34), (1, 34)]
+
+    assert Account.objects.using(db).bulk_update(copies, ["balance"]) == 2
+    assert [(stored(db, a).balance, stored(db, a).fencing_token) for a in accounts] == [(7, 34), (7, 34)]
+    assert Account.objects.using(db).unfenced().bulk_update(copies, ["fencing_token"]) == 2
+    assert [stored(db, a).fencing_token for a in accounts] == [1, 1]
+
+
+def test_bulk_create_update_conflicts_refuses_to_set_the_token_unless_unfenced(db):
+    account = fenced_row(db)
+
+    def upsert(queryset, update_fields):
+        return queryset.bulk_create([Account(pk=account.pk, balance=7, fencing_token=1)], update_conflicts=True,
+                                    unique_fields=["id"], update_fields=update_fields)
+
+    with pytest.raises(ValueError, match=r"fencing_app\.Account: bulk_create\(update_conflicts=True\) would set "
+                                         r"fencing_token .*Account\.objects\.unfenced\(\)\.bulk_create\(\.\.\.\)"):
+        upsert(Account.objects.using(db), ["balance", "fencing_token"])
+    assert (stored(db, account).balance, stored(db, account).fencing_token) == (1, 34)
+
+    upsert(Account.objects.using(db), ["balance"])
+    assert (stored(db, account).balance, stored(db, account).fencing_token) == (7, 34)
+    upsert(Account.objects.using(db).unfenced(), ["fencing_token"])
+    assert stored(db, account).fencing_token == 1
+    # Plain inserts store the token given, as create() does.
+    (inserted,) = Account.objects.using(db).bulk_create([Account(balance=1, fencing_token=5)])
+    assert stored(db, inserted).fencing_token == 5
+
+
+def test_update_or_create_on_a_fenced_model(db):
+    """The update branch is a plain save(): refused where fencing is required, and it never writes the token."""
+    account = fenced_row(db, name="upsert")
+    with pytest.raises(ValueError, match=r"save\(lease=lease\)"):
+        Account.objects.using(db).update_or_create(name="upsert", defaults={"balance": 5})
+    assert (stored(db, account).balance, stored(db, account).fencing_token) == (1, 34)
+    created, was_created = Account.objects.using(db).update_or_create(name="new", defaults={"balance": 5})
+    assert was_created and stored(db, created).fencing_token == 0
+
+    loose = LooseAccount.objects.using(db).create(balance=1)
+    loose.save(fencing_token=34)
+    LooseAccount.objects.using(db).update_or_create(pk=loose.pk, defaults={"balance": 5, "fencing_token": 1})
+    row = LooseAccount.objects.using(db).get(pk=loose.pk)
+    assert (row.balance, row.fencing_token) == (5, 34)
+
+
+def test_delete_is_not_fenced_unless_filtered_by_token(db):
+    """delete() writes no token, so it cannot lower one; to refuse a stale holder's delete, filter on the token."""
+    account = fenced_row(db)
+    assert Account.objects.using(db).filter(pk=account.pk, fencing_token__lte=33).delete()[0] == 0
+    assert Account.objects.using(db).filter(pk=account.pk).exists()
+    assert Account.objects.using(db).filter(pk=account.pk, fencing_token__lte=34).delete()[0] == 1
+    other = fenced_row(db)
+    Account.objects.using(db).filter(pk=other.pk).delete()  # unfenced: any caller may delete
+    assert not Account.objects.using(db).filter(pk=other.pk).exists()
 
 
 # -- the rejection log and the caller's transaction -----------------------------------------------------

@@ -102,7 +102,7 @@ class FencedStore:
         """
         try:
             with transaction.atomic(using=self.database):
-                row = self.Row.objects.using(self.database).claim(lease_or_token, pk=pk)
+                row = self.Row.objects.using(self.database).claim_in_transaction(lease_or_token, pk=pk)
                 self._log("claim", pk, token, True, owner=owner, proc=proc)
         except StaleFencingToken as exc:
             self._log("claim", pk, token, False, current=exc.current_token, owner=owner, proc=proc)
