@@ -2,17 +2,18 @@
 
 The page is the changelist of the ``Lock`` model, so the admin index links it under the app with the
 model's plural name, "Held locks", for users with ``distlock.view_lock``. Its rows are read from
-each alias's server, not from the model's table. Force release needs ``distlock.force_release_lock``.
+each alias's server, not from the model's table. Force release needs ``distlock.force_release_lock``,
+and so does seeing owner ids: whoever knows one can release that lease, so it is a capability. Owner
+ids therefore travel only in POST bodies, never in URLs.
 """
 
+import functools
 from datetime import UTC, datetime
 from urllib.parse import urlencode
 
 from django.contrib import admin, messages
-from django.contrib.admin.models import DELETION, LogEntry
-from django.contrib.admin.options import get_content_type_for_model
 from django.core.exceptions import PermissionDenied
-from django.db import DatabaseError
+from django.db import DatabaseError, connections, transaction
 from django.http import HttpResponseNotAllowed
 from django.shortcuts import redirect
 from django.template.response import TemplateResponse
@@ -20,12 +21,12 @@ from django.urls import path, reverse
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
 
-from distlock import inventory
+from distlock import audit, inventory
 from distlock.conf import get_config
-from distlock.handler import locks
 from distlock.metrics import conf as metrics_conf
 from distlock.metrics import report
 from distlock.models import FencingRejection, Lock
+from distlock.redaction import redact
 
 #: The permission the force-release control and its views require.
 FORCE_RELEASE_PERMISSION = "distlock.force_release_lock"
@@ -35,6 +36,24 @@ RECENT_REJECTIONS = 20
 CHART_MINUTES = 60
 #: Locks listed per alias; beyond it the page says how many more there are (narrow with the search).
 ROWS_PER_ALIAS = 500
+
+
+def _outside_request_transactions(view):
+    """Return ``view`` exempted from ``ATOMIC_REQUESTS`` on every database (``transaction.non_atomic_requests``).
+
+    These views talk to lock servers, not only to the database: a request transaction would hold, on
+    SQLite, the one write slot the database backend needs (its force release would refuse to wait for
+    its own caller), and elsewhere keep a transaction open across network round trips. Their writes are
+    single statements (the compare-and-delete, one ``LogEntry``), each committed on its own.
+    """
+
+    @functools.wraps(view)
+    def wrapper(request, *args, **kwargs):
+        return view(request, *args, **kwargs)
+
+    for alias in connections:
+        wrapper = transaction.non_atomic_requests(using=alias)(wrapper)
+    return wrapper
 
 
 def _seconds(value):
@@ -123,13 +142,19 @@ class HeldLocksAdmin(ReadOnlyAdmin):
 
     def get_urls(self):
         # Only the page and the release view: the model's own add/change/delete views would show the
-        # database backend's table alone, which is not what operators need.
-        view = self.admin_site.admin_view
+        # database backend's table alone, which is not what operators need. admin_view() copies the
+        # non-atomic marks onto its wrapper (functools.wraps), which is what the request handler reads.
+        def view(method):
+            return self.admin_site.admin_view(_outside_request_transactions(method))
+
         info = self.opts.app_label, self.opts.model_name
         return [
             path("", view(self.changelist_view), name="%s_%s_changelist" % info),
             path("release/", view(self.force_release_view), name="%s_%s_force_release" % info),
         ]
+
+    def _release_url(self):
+        return reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_force_release")
 
     def _changelist_url(self, alias=None, search=""):
         url = reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist")
@@ -144,18 +169,15 @@ class HeldLocksAdmin(ReadOnlyAdmin):
             messages.error(request, _("There is no alias %(alias)r in settings.DISTLOCK.") % {"alias": alias})
             alias = None
         search = request.GET.get("q", "").strip()
+        # Owner ids are capabilities: only users who may force-release see them (in POST forms, never URLs).
         can_release = request.user.has_perm(FORCE_RELEASE_PERMISSION)
         now = datetime.now(UTC)
-        release_base = reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_force_release")
         groups = []
         for entry in inventory.held_locks(alias, search=search):
             rows = []
             for info in entry.locks[:ROWS_PER_ALIAS]:
                 remaining = (info.expires_at - now).total_seconds() if info.expires_at else None
-                release_url = None
-                if can_release:
-                    release_url = f"{release_base}?{urlencode({'alias': info.alias, 'name': info.name, 'owner': info.owner})}"
-                rows.append({"info": info, "remaining": remaining, "release_url": release_url})
+                rows.append({"info": info, "remaining": remaining})
             groups.append({"entry": entry, "rows": rows, "hidden": max(len(entry.locks) - ROWS_PER_ALIAS, 0)})
         context = {
             **self.admin_site.each_context(request),
@@ -169,6 +191,10 @@ class HeldLocksAdmin(ReadOnlyAdmin):
             "groups": groups,
             "held_count": sum(len(group["entry"].locks) for group in groups),
             "can_force_release": can_release,
+            "release_url": self._release_url() if can_release else None,
+            # Cells after the alias in a full-width row: name, token, acquired, expires, remaining, holder,
+            # plus owner and the release control for users who may release.
+            "row_span": 8 if can_release else 6,
             "metric_headers": [header for _figure, header, _formatter in METRIC_COLUMNS],
             "thresholds": {"acquire": _fraction(report.ACQUIRE_P99_OF_TTL),
                            "contention": _fraction(report.CONTENTION_RATE),
@@ -189,7 +215,7 @@ class HeldLocksAdmin(ReadOnlyAdmin):
                 rejections = rejections.filter(alias=alias)
             rejections = list(rejections[:RECENT_REJECTIONS])
         except DatabaseError as exc:
-            return {"metrics_error": f"{type(exc).__name__}: {exc}"}
+            return {"metrics_error": redact(f"{type(exc).__name__}: {exc}")}
         recent_rejections = sum(row.fencing_rejections for row in recent.rows if not row.prefix)
         return {
             "windows": [
@@ -203,64 +229,62 @@ class HeldLocksAdmin(ReadOnlyAdmin):
         }
 
     def force_release_view(self, request):
-        """Confirm (GET) and perform (POST) the release of one exact lease: alias, name and owner."""
+        """Confirm, then perform, the release of one exact lease: alias, name and owner, all POSTed.
+
+        The page's button posts the lease it showed and gets the confirmation page; that page posts the
+        same fields with ``confirm``, which releases. GET is refused, so no link, bookmark or prefetch
+        (nor any URL carrying an owner id) can release or reveal anything.
+        """
         if not (self.has_view_permission(request) and request.user.has_perm(FORCE_RELEASE_PERMISSION)):
             raise PermissionDenied
-        if request.method not in ("GET", "POST"):
-            return HttpResponseNotAllowed(["GET", "POST"])
-        data = request.POST if request.method == "POST" else request.GET
-        alias, name, owner = data.get("alias", ""), data.get("name", ""), data.get("owner", "")
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["POST"])
+        alias, name, owner = (request.POST.get(key, "") for key in ("alias", "name", "owner"))
         back = self._changelist_url(alias if alias in get_config() else None)
         if alias not in get_config() or not name or not owner:
             messages.error(request, _("Force release needs the alias, name and owner of a held lock."))
             return redirect(back)
+        if request.POST.get("confirm") == "yes":
+            # Audited whatever happens (distlock.audit): the logger and this user's LogEntry.
+            return self._force_release(request, alias, name, owner, back)
         try:
             current = inventory.find(alias, name)
         except Exception as exc:  # noqa: BLE001 - shown to the operator, like an error row on the page
             messages.error(request, _("Could not read lock %(name)r on alias '%(alias)s': %(error)s")
-                           % {"name": name, "alias": alias, "error": exc})
+                           % {"name": name, "alias": alias, "error": redact(f"{type(exc).__name__}: {exc}")})
             return redirect(back)
         if current is None or current.owner != owner:
             messages.warning(request, _("Nothing released: lock %(name)r on alias '%(alias)s' is no longer held by "
                                         "that owner (released, expired, or acquired again meanwhile).")
                              % {"name": name, "alias": alias})
             return redirect(back)
-        if request.method == "GET":
-            context = {
-                **self.admin_site.each_context(request),
-                "opts": self.opts,
-                "title": _("Force release a lock"),
-                "lock": current,
-                "back_url": back,
-            }
-            return TemplateResponse(request, self.force_release_template, context)
-        return self._force_release(request, current, back)
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": _("Force release a lock"),
+            "lock": current,
+            "release_url": self._release_url(),
+            "back_url": back,
+        }
+        return TemplateResponse(request, self.force_release_template, context)
 
-    def _force_release(self, request, info, back):
-        try:
-            # Compare-and-delete on the owner: a lock acquired again since the page was read is untouched.
-            released = locks[info.alias].force_release(info.name, info.owner)
-        except Exception as exc:  # noqa: BLE001 - shown to the operator
-            messages.error(request, _("Could not release lock %(name)r on alias '%(alias)s': %(error)s")
-                           % {"name": info.name, "alias": info.alias, "error": exc})
-            return redirect(back)
-        if not released:
-            messages.warning(request, _("Nothing released: lock %(name)r on alias '%(alias)s' changed hands "
-                                        "meanwhile.") % {"name": info.name, "alias": info.alias})
-            return redirect(back)
-        holder = f"host {info.host or '?'}, pid {info.pid if info.pid is not None else '?'}"
-        LogEntry.objects.create(
-            user_id=request.user.pk,
-            content_type_id=get_content_type_for_model(Lock).pk,
-            object_id=None,
-            object_repr=f"{info.name} (alias {info.alias})"[:200],
-            action_flag=DELETION,
-            change_message=(f"Force-released lock {info.name!r} on alias '{info.alias}': owner {info.owner}, "
-                            f"fencing token {info.token}, {holder}."),
-        )
-        messages.success(request, _("Released lock %(name)r on alias '%(alias)s' (token %(token)s). Its holder "
-                                    "finds out at its next renewal or when its lease runs out.")
-                         % {"name": info.name, "alias": info.alias, "token": info.token})
+    def _force_release(self, request, alias, name, owner, back):
+        attempt = audit.force_release(alias, name, owner, actor=f"admin user {request.user.get_username()!r}",
+                                      user=request.user)
+        values = {"name": name, "alias": alias, "error": attempt.error}
+        if attempt.released:
+            messages.success(request, _("Released lock %(name)r on alias '%(alias)s' (token %(token)s). Its holder "
+                                        "finds out at its next renewal or when its lease runs out.")
+                             % {**values, "token": attempt.info.token})
+        elif attempt.outcome == audit.READ_ERROR:
+            messages.error(request, _("Could not read lock %(name)r on alias '%(alias)s'; nothing released: "
+                                      "%(error)s") % values)
+        elif attempt.outcome == audit.ERROR:
+            messages.error(request, _("Could not release lock %(name)r on alias '%(alias)s'; it may or may not "
+                                      "have been released (reload the page): %(error)s") % values)
+        else:
+            messages.warning(request, _("Nothing released: lock %(name)r on alias '%(alias)s' is no longer held by "
+                                        "that owner (released, expired, or acquired again meanwhile).") % values)
         return redirect(back)
 
 

@@ -7,6 +7,7 @@ import distlock.views
 
 urlpatterns = [
     path("admin/", admin.site.urls),
-    # Prometheus scrapes this; open here because the demo listens on loopback only (see README, Operations).
-    path("metrics/", distlock.views.metrics, name="distlock-metrics"),
+    # Prometheus scrapes this; public (an explicit choice) because the demo listens on loopback only
+    # (see README, Operations).
+    path("metrics/", distlock.views.MetricsView.as_view(public=True), name="distlock-metrics"),
 ]

@@ -1,12 +1,16 @@
 """The "Held locks" admin page and force release, through Django's test client, on every backend."""
 
+import logging
 import os
 import re
 import uuid
+from html import unescape
 
 import pytest
-from django.contrib.admin.models import DELETION, LogEntry
+from django.contrib.admin.models import CHANGE, DELETION, LogEntry
 from django.contrib.auth.models import Permission, User
+from django.db import connections
+from django.test import Client
 from django.urls import reverse
 
 import distlock
@@ -136,6 +140,18 @@ def test_an_unreachable_or_broken_backend_is_an_error_row(viewer_client, setting
 # -- force release ----------------------------------------------------------------------------------
 
 
+def release_form(html, alias, name):
+    """Return the fields of the force-release form in the page's row of lock ``name`` on ``alias``."""
+    row = lock_row(html, alias, name)
+    assert row is not None, f"no row for {name!r} on {alias!r}"
+    form = re.search(r'<form method="post" action="([^"]+)" class="distlock-release-form">(.*?)</form>', row, re.S)
+    assert form is not None, "the row has no force-release form"
+    assert form.group(1) == RELEASE
+    fields = dict(re.findall(r'<input type="hidden" name="([a-z]+)" value="([^"]*)"', form.group(2)))
+    assert fields.pop("csrfmiddlewaretoken"), "the form carries a CSRF token"
+    return fields
+
+
 def test_without_the_permission_there_is_no_control_and_a_crafted_post_gets_403(viewer_client, lock_name):
     with distlock.lock(lock_name, ttl=30, using="locmem") as lease:
         html = viewer_client.get(PAGE).content.decode()
@@ -144,47 +160,153 @@ def test_without_the_permission_there_is_no_control_and_a_crafted_post_gets_403(
         query = {"alias": "locmem", "name": lock_name, "owner": lease.owner}
         assert viewer_client.get(RELEASE, query).status_code == 403
         assert viewer_client.post(RELEASE, query).status_code == 403
+        assert viewer_client.post(RELEASE, {**query, "confirm": "yes"}).status_code == 403
         assert not LogEntry.objects.exists()
         assert lease.extend(), "the lock must still be held by its lease"
 
 
-def test_force_release_confirms_then_deletes_that_lease_and_logs_it(operator_client, backend_alias, lock_name):
+def test_view_only_staff_see_no_owner_ids(viewer_client, lock_name):
+    # Whoever knows an owner id can release that lease (release_owned), so it is a capability.
+    with distlock.lock(lock_name, ttl=30, using="locmem") as lease, \
+            distlock.lock(lock_name, ttl=30, using="default") as database_lease:
+        html = viewer_client.get(PAGE).content.decode()
+        assert lock_row(html, "locmem", lock_name) is not None
+        assert lock_row(html, "default", lock_name) is not None
+        assert lease.owner not in html and database_lease.owner not in html
+        assert lease.owner[:10] not in html, "not even a truncated owner id"
+        assert ">Owner<" not in html
+
+
+def test_release_controls_post_and_no_url_carries_an_owner_id(operator_client, lock_name):
+    with distlock.lock(lock_name, ttl=30, using="locmem") as lease:
+        html = operator_client.get(PAGE).content.decode()
+        assert lock_row(html, "locmem", lock_name) is not None
+        for url in re.findall(r'(?:href|action|src)="([^"]*)"', html):
+            assert lease.owner not in url, f"an owner id in the URL {url!r}"
+        assert release_form(html, "locmem", lock_name) == {"alias": "locmem", "name": lock_name, "owner": lease.owner}
+        query = {"alias": "locmem", "name": lock_name, "owner": lease.owner, "confirm": "yes"}
+        response = operator_client.get(RELEASE, query)
+        assert response.status_code == 405 and response["Allow"] == "POST"
+        assert lease.extend(), "a GET must release nothing, whatever its query string"
+        assert not LogEntry.objects.exists()
+
+
+def test_the_release_forms_are_csrf_protected(lock_name):
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(make_user("operator", perms=["view_lock", "force_release_lock"]))
+    with distlock.lock(lock_name, ttl=30, using="locmem") as lease:
+        fields = {"alias": "locmem", "name": lock_name, "owner": lease.owner}
+        assert client.post(RELEASE, {**fields, "confirm": "yes"}).status_code == 403
+        assert lease.extend() and not LogEntry.objects.exists()
+        html = client.get(PAGE).content.decode()
+        token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', lock_row(html, "locmem", lock_name)).group(1)
+        confirmation = client.post(RELEASE, {**fields, "csrfmiddlewaretoken": token})
+        assert confirmation.status_code == 200 and 'id="confirm-force-release"' in confirmation.content.decode()
+        assert lease.extend()
+
+
+def test_force_release_confirms_then_deletes_that_lease_and_logs_it(operator_client, backend_alias, lock_name, caplog):
     lease = distlock.acquire(lock_name, ttl=30, using=backend_alias)
     html = operator_client.get(PAGE).content.decode()
-    [confirm_url] = re.findall(r'href="([^"]+)">Force release</a>', lock_row(html, backend_alias, lock_name))
-    confirm_url = confirm_url.replace("&amp;", "&")
-    assert confirm_url.startswith(RELEASE)
+    fields = release_form(html, backend_alias, lock_name)
+    assert fields == {"alias": backend_alias, "name": lock_name, "owner": lease.owner}
 
-    confirmation = operator_client.get(confirm_url)
+    confirmation = operator_client.post(RELEASE, fields)
     assert confirmation.status_code == 200
     page = confirmation.content.decode()
     assert lease.owner in page and str(lease.token) in page and 'id="confirm-force-release"' in page
+    assert re.search(r'<form method="post" action="[^"]*">', page)
+    assert '<input type="hidden" name="confirm" value="yes">' in page
     assert lease.extend(), "asking for confirmation must not release anything"
+    assert not LogEntry.objects.exists()
 
-    response = operator_client.post(RELEASE, {"alias": backend_alias, "name": lock_name, "owner": lease.owner})
+    with caplog.at_level(logging.WARNING, logger="distlock.audit"):
+        response = operator_client.post(RELEASE, {**fields, "confirm": "yes"})
     assert response.status_code == 302 and response["Location"].startswith(PAGE)
     assert not lease.extend(), "the evicted lease must find its lock gone at its next renewal"
     assert lease.lost
     entry = LogEntry.objects.get()
     assert entry.action_flag == DELETION and entry.user.username == "operator"
     assert lock_name in entry.change_message and lease.owner in entry.change_message
+    assert "released" in entry.change_message and "nothing released" not in entry.change_message
     assert entry.content_type.model == "lock"
+    [record] = [r for r in caplog.records if r.name == "distlock.audit"]
+    assert record.outcome == "released" and record.actor == "admin user 'operator'" and record.lock_name == lock_name
     next_holder = distlock.acquire(lock_name, ttl=30, blocking=False, using=backend_alias)
     assert next_holder.token > lease.token
     next_holder.release()
 
 
-def test_force_release_compares_the_owner(operator_client, lock_name):
+def test_force_release_under_atomic_requests(operator_client, monkeypatch, lock_name):
+    # ATOMIC_REQUESTS wraps each view in a transaction; on SQLite the database backend then refuses to
+    # write (its statement would wait for the request's own transaction), so the release must run outside it.
+    monkeypatch.setitem(connections["default"].settings_dict, "ATOMIC_REQUESTS", True)
+    lease = distlock.acquire(lock_name, ttl=30, using="default")
+    fields = {"alias": "default", "name": lock_name, "owner": lease.owner}
+    response = operator_client.post(RELEASE, {**fields, "confirm": "yes"}, follow=True)
+    assert f"Released lock {lock_name!r}" in unescape(response.content.decode())
+    assert not lease.extend(), "the lock must be gone"
+    assert LogEntry.objects.get().action_flag == DELETION
+    page = operator_client.get(PAGE)
+    assert page.status_code == 200 and lock_row(page.content.decode(), "default", lock_name) is None
+
+
+def test_a_force_release_that_finds_another_owner_is_logged_and_touches_nothing(operator_client, lock_name, caplog):
     first = distlock.acquire(lock_name, ttl=30, using="locmem")
     first.release()
     second = distlock.acquire(lock_name, ttl=30, using="locmem")
-    query = {"alias": "locmem", "name": lock_name, "owner": first.owner}  # the page showed the first lease
-    response = operator_client.get(RELEASE, query, follow=True)
+    fields = {"alias": "locmem", "name": lock_name, "owner": first.owner}  # the page showed the first lease
+    response = operator_client.post(RELEASE, fields, follow=True)
     assert "no longer held by that owner" in response.content.decode()
-    operator_client.post(RELEASE, query)
+    assert not LogEntry.objects.exists(), "asking for confirmation is not an attempt"
+    with caplog.at_level(logging.WARNING, logger="distlock.audit"):
+        response = operator_client.post(RELEASE, {**fields, "confirm": "yes"}, follow=True)
+    assert "Nothing released" in response.content.decode()
     assert second.extend(), "the lock acquired again meanwhile must not be touched"
-    assert not LogEntry.objects.exists()
+    entry = LogEntry.objects.get()
+    assert entry.action_flag == CHANGE and entry.user.username == "operator"
+    assert "nothing released" in entry.change_message and first.owner in entry.change_message
+    assert "held by another owner" in entry.change_message
+    [record] = [r for r in caplog.records if r.name == "distlock.audit"]
+    assert record.outcome == "owner_changed"
     second.release()
+
+
+def test_a_force_release_of_a_lock_gone_or_unreadable_is_logged(operator_client, settings, lock_name):
+    lease = distlock.acquire(lock_name, ttl=30, using="locmem")
+    lease.release()
+    operator_client.post(RELEASE, {"alias": "locmem", "name": lock_name, "owner": lease.owner, "confirm": "yes"})
+    entry = LogEntry.objects.get()
+    assert entry.action_flag == CHANGE and "nothing released" in entry.change_message
+    assert "not held" in entry.change_message
+    settings.DISTLOCK = {**settings.DISTLOCK, "down": {
+        "BACKEND": "distlock.backends.redis.RedisBackend",
+        "OPTIONS": {"URL": f"redis://127.0.0.1:{free_port()}/0", "SOCKET_CONNECT_TIMEOUT": 2}}}
+    response = operator_client.post(RELEASE, {"alias": "down", "name": lock_name, "owner": lease.owner,
+                                              "confirm": "yes"}, follow=True)
+    assert "Could not" in response.content.decode()
+    failed = LogEntry.objects.latest("pk")
+    assert failed.pk != entry.pk and failed.action_flag == CHANGE
+    assert "nothing released" in failed.change_message and "BackendUnavailable" in failed.change_message
+
+
+def test_no_password_of_a_backend_url_shows_in_a_release_attempt(operator_client, settings, lock_name, caplog):
+    secret = f"pw-{uuid.uuid4().hex}"
+    settings.DISTLOCK = {**settings.DISTLOCK, "down": {
+        "BACKEND": "distlock.backends.redis.RedisBackend",
+        "OPTIONS": {"URL": f"redis://ops:{secret}@127.0.0.1:{free_port()}/0", "SOCKET_CONNECT_TIMEOUT": 2}}}
+    fields = {"alias": "down", "name": lock_name, "owner": "0" * 32}
+    with caplog.at_level(logging.DEBUG):
+        pages = [operator_client.post(RELEASE, fields, follow=True),
+                 operator_client.post(RELEASE, {**fields, "confirm": "yes"}, follow=True),
+                 operator_client.get(PAGE)]
+    for page in pages:
+        assert page.status_code == 200 and secret not in page.content.decode()
+    assert "Could not read" in unescape(pages[0].content.decode())
+    entry = LogEntry.objects.get()
+    assert "could not be read" in entry.change_message and secret not in entry.change_message
+    assert "127.0.0.1" in entry.change_message, "the address stays, only the user-info goes"
+    assert caplog.records and not [record for record in caplog.records if secret in record.getMessage()]
 
 
 # -- metrics on the page -------------------------------------------------------------------------

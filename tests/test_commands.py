@@ -1,6 +1,7 @@
 """``manage.py distlock list|release|check|stats`` on real backends, in-process and as a real command line."""
 
 import json
+import logging
 import subprocess
 import sys
 import uuid
@@ -8,6 +9,8 @@ from datetime import datetime
 from io import StringIO
 
 import pytest
+from django.contrib.admin.models import CHANGE, DELETION, LogEntry
+from django.contrib.auth.models import User
 from django.core.management import CommandError, call_command
 
 import distlock
@@ -126,6 +129,67 @@ def test_release_with_a_stale_owner_touches_nothing(lock_name):
         with pytest.raises(CommandError, match="now held by owner"):
             run("release", lock_name, "--using", "locmem", "--owner", first.owner, "--force")
         assert second.extend()
+
+
+def audit_records(caplog):
+    return [record for record in caplog.records if record.name == "distlock.audit"]
+
+
+def test_every_release_attempt_is_audited_with_its_outcome(lock_name, caplog):
+    first = distlock.acquire(lock_name, ttl=30, using="locmem")
+    first.release()
+    with caplog.at_level(logging.WARNING, logger="distlock.audit"):
+        with pytest.raises(CommandError, match="not held"):
+            run("release", lock_name, "--using", "locmem", "--force")
+        second = distlock.acquire(lock_name, ttl=30, using="locmem")
+        with pytest.raises(CommandError, match="now held by owner"):
+            run("release", lock_name, "--using", "locmem", "--owner", first.owner, "--force")
+        assert second.extend()
+        run("release", lock_name, "--using", "locmem", "--force")
+    assert not second.extend()
+    records = audit_records(caplog)
+    assert [record.outcome for record in records] == ["not_held", "owner_changed", "released"]
+    assert all(record.lock_name == lock_name and record.alias == "locmem" for record in records)
+    assert all(record.actor.startswith("manage.py distlock release") for record in records)
+    assert records[1].owner == first.owner and records[2].owner == second.owner
+    assert second.owner in records[2].getMessage() and "released" in records[2].getMessage()
+    assert not LogEntry.objects.exists(), "no LogEntry without --user"
+
+
+def test_release_with_a_user_writes_a_log_entry_too(lock_name, caplog):
+    User.objects.create_user("ops", is_staff=True)
+    lease = distlock.acquire(lock_name, ttl=30, using="locmem")
+    with caplog.at_level(logging.WARNING, logger="distlock.audit"):
+        out, _ = run("release", lock_name, "--using", "locmem", "--force", "--user", "ops")
+        with pytest.raises(CommandError, match="not held"):
+            run("release", lock_name, "--using", "locmem", "--force", "--user", "ops")
+    assert lease.owner in out and not lease.extend()
+    released, refused = LogEntry.objects.order_by("pk")
+    assert released.action_flag == DELETION and released.user.username == "ops"
+    assert lease.owner in released.change_message and "manage.py distlock release" in released.change_message
+    assert refused.action_flag == CHANGE and "nothing released" in refused.change_message
+    assert [record.actor for record in audit_records(caplog)] == ["manage.py distlock release as user 'ops'"] * 2
+
+
+def test_release_with_an_unknown_user_releases_nothing(lock_name):
+    with distlock.lock(lock_name, ttl=30, using="locmem") as lease:
+        with pytest.raises(CommandError, match="no user 'nobody'"):
+            run("release", lock_name, "--using", "locmem", "--force", "--user", "nobody")
+        assert lease.extend()
+    assert not LogEntry.objects.exists()
+
+
+def test_no_password_of_a_backend_url_shows_in_a_release_attempt(settings, lock_name, caplog):
+    secret = f"pw-{uuid.uuid4().hex}"
+    settings.DISTLOCK = {**settings.DISTLOCK, "down": {
+        "BACKEND": "distlock.backends.redis.RedisBackend",
+        "OPTIONS": {"URL": f"redis://ops:{secret}@127.0.0.1:{free_port()}/0", "SOCKET_CONNECT_TIMEOUT": 2}}}
+    with caplog.at_level(logging.DEBUG), pytest.raises(CommandError, match="nothing released") as failed:
+        run("release", lock_name, "--using", "down", "--force")
+    assert secret not in str(failed.value) and "BackendUnavailable" in str(failed.value)
+    [record] = audit_records(caplog)
+    assert record.outcome == "read_error" and secret not in record.getMessage()
+    assert not [record for record in caplog.records if secret in record.getMessage()]
 
 
 # -- check ------------------------------------------------------------------------------------------

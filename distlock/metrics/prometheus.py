@@ -108,9 +108,26 @@ def count_task_conflict(alias, outcome, count=1):
         _child("task_conflicts", alias, outcome).inc(count)
 
 
+class _OnlyDistlock:
+    """The distlock families of a registry, without the rest of it (other apps', process and platform metrics)."""
+
+    def __init__(self, registry, names):
+        self._registry, self._names = registry, names
+
+    def collect(self):
+        for family in self._registry.collect():
+            if family.name in self._names:
+                yield family
+
+
 def exposition():
-    """Return ``(body, content_type)``: this process's metrics, or every process's in multiprocess mode."""
-    if instruments() is None:
+    """Return ``(body, content_type)``: the distlock metrics of this process, or of every process in multiprocess mode.
+
+    Only distlock's own families are exported, never the rest of the registry: the view serves them to
+    whoever the project lets scrape lock metrics, which is no reason to show them other apps' figures.
+    """
+    found = instruments()
+    if found is None:
         raise ImproperlyConfigured(
             "distlock.views.metrics needs prometheus_client: pip install 'django-distlock[prometheus]'."
         )
@@ -119,4 +136,5 @@ def exposition():
         multiprocess.MultiProcessCollector(registry)
     else:
         registry = prometheus_client.REGISTRY
-    return prometheus_client.generate_latest(registry), prometheus_client.CONTENT_TYPE_LATEST
+    names = {family.name for instrument in vars(found).values() for family in instrument.describe()}
+    return prometheus_client.generate_latest(_OnlyDistlock(registry, names)), prometheus_client.CONTENT_TYPE_LATEST

@@ -1,16 +1,19 @@
 """``manage.py distlock list|release|check|stats|verify``: held locks, force release, health probe, metrics,
 conformance run."""
 
+import getpass
 import json
+import socket
 
+from django.apps import apps
+from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DEFAULT_DB_ALIAS
 
-from distlock import inventory
+from distlock import audit, inventory
 from distlock.conf import DEFAULT_ALIAS, get_config
 from distlock.conformance.report import markdown_table
 from distlock.conformance.verify import NotVerifiable, verify
-from distlock.handler import locks
 from distlock.metrics import conf as metrics_conf
 from distlock.metrics import report
 
@@ -44,6 +47,9 @@ class Command(BaseCommand):
         release.add_argument("--using", default=DEFAULT_ALIAS, help="the DISTLOCK alias (default: 'default')")
         release.add_argument("--owner", help="release only if this owner (from `list`) still holds it")
         release.add_argument("--force", action="store_true", help="required: confirms you mean it")
+        release.add_argument("--user", dest="username",
+                             help="also record the attempt in the admin's history (a LogEntry) as this user; "
+                                  "every attempt is logged to the 'distlock.audit' logger either way")
 
         check = commands.add_parser(
             "check", help="Make one round trip to every backend; exit non-zero if any fails (a health probe).")
@@ -105,24 +111,51 @@ class Command(BaseCommand):
 
     # -- release -------------------------------------------------------------------------------
 
-    def handle_release(self, *, name, using, owner, force, **options):
+    def handle_release(self, *, name, using, owner, force, username, **options):
         if not force:
             raise CommandError(
                 f"Refusing to release lock {name!r} on alias '{using}' without --force: its holder keeps "
                 "running and learns of it only at its next renewal or expiry. Check it with "
                 "`distlock list`, then repeat with --force."
             )
-        current = inventory.find(using, name)
-        if current is None:
+        user = self._audit_user(username) if username is not None else None
+        actor = f"manage.py distlock release as user {username!r}" if user is not None else (
+            f"manage.py distlock release by {self._os_user()} on {socket.gethostname()}")
+        # Audited whatever happens: the 'distlock.audit' logger, and a LogEntry with --user.
+        attempt = audit.force_release(using, name, owner, actor=actor, user=user)
+        if attempt.outcome == audit.NOT_HELD:
             raise CommandError(f"Lock {name!r} is not held on alias '{using}'; nothing released.")
-        if owner is not None and current.owner != owner:
-            raise CommandError(f"Lock {name!r} on alias '{using}' is now held by owner {current.owner}, "
+        if attempt.outcome == audit.OWNER_CHANGED and owner is not None and attempt.info.owner != owner:
+            raise CommandError(f"Lock {name!r} on alias '{using}' is now held by owner {attempt.info.owner}, "
                                f"not {owner}; nothing released.")
-        # Compare-and-delete on the owner just read: a lock acquired again meanwhile is left alone.
-        if not locks[using].force_release(name, current.owner):
+        if attempt.outcome == audit.OWNER_CHANGED:
             raise CommandError(f"Lock {name!r} on alias '{using}' changed hands while releasing; nothing released.")
+        if attempt.outcome == audit.READ_ERROR:
+            raise CommandError(f"Could not read lock {name!r} on alias '{using}'; nothing released: {attempt.error}")
+        if attempt.outcome == audit.ERROR:
+            raise CommandError(f"Could not release lock {name!r} on alias '{using}'; it may or may not have been "
+                               f"released (check with `distlock list`): {attempt.error}")
+        current = attempt.info
         self.stdout.write(f"Released lock {name!r} on alias '{using}': owner {current.owner}, token "
                           f"{current.token}, host {current.host or '?'}, pid {current.pid}.")
+
+    def _audit_user(self, username):
+        """Return the user ``--user`` names, checked before anything is released."""
+        if not apps.is_installed("django.contrib.admin"):
+            raise CommandError("--user records the attempt as an admin LogEntry, which needs django.contrib.admin "
+                               "in INSTALLED_APPS; without it, the 'distlock.audit' logger records every attempt.")
+        model = get_user_model()
+        try:
+            return model._default_manager.get_by_natural_key(username)
+        except model.DoesNotExist:
+            raise CommandError(f"There is no user {username!r}; nothing released.") from None
+
+    @staticmethod
+    def _os_user():
+        try:
+            return getpass.getuser()
+        except (KeyError, OSError):  # no login name and no passwd entry (some containers)
+            return "an unknown OS user"
 
     # -- check ---------------------------------------------------------------------------------
 
