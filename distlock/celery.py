@@ -5,27 +5,38 @@ The lock protocol, in Celery terms:
 - **Run lock** ``<key>``: acquired non-blocking in ``SingleInstanceTask.__call__`` (so in the worker
   process or thread that runs the task, in eager mode too), renewed every ``ttl/3`` while the task
   runs, released in ``finally``. A pool child killed mid-run stops renewing, so the server frees the
-  lock within ``ttl``; when the kill is ``revoke(terminate=True, signal="SIGKILL")`` the worker's main
-  process releases it at once, by owner id, found through the task id stored with the lock. The lock
-  name is exactly the formatted key.
+  lock within ``ttl``; when the kill is ``revoke(terminate=True, signal="SIGKILL")`` (``task_revoked``)
+  or the pool child dies on its own (SIGKILL, the OOM killer: ``WorkerLostError``, seen by
+  ``SingleInstanceRequest.on_failure``) the worker's main process releases it at once, by owner id,
+  found through the task id, host and pid stored with the lock, before Celery requeues an
+  ``acks_late`` message. A delivery that finds its own task id's lock held by a dead process of its
+  host (the main process could not release it) releases it and runs. The lock name is exactly the
+  formatted key.
 - **Queued marker** ``<key>:queued`` (only with ``dedupe=True``): acquired non-blocking by
-  ``apply_async()`` with ``dedupe_ttl`` and no renewal; its owner id travels in the message header
-  ``distlock_queued``. The run releases it when it finishes; a retry hands it on to the retried
-  message; a revoked or expired message releases it in the worker that drops it. Every release is a
-  compare-and-delete on the owner id, so nobody ever deletes a marker or lock that is not theirs.
-  A message lost with its worker leaves the marker until ``dedupe_ttl`` passes.
+  ``apply_async()`` with ``dedupe_ttl`` and no renewal; its name and owner id travel in the message
+  header ``distlock_queued``, signed with ``django.core.signing`` (a header that is unsigned, tampered
+  with or names another key's marker is ignored and logged). The run releases it when it finishes; a
+  retry hands it on to the retried message; a revoked or expired message releases it in the worker
+  that drops it. Every release is a compare-and-delete on the owner id, so nobody ever deletes a
+  marker or lock that is not theirs. A message lost with its worker leaves the marker until
+  ``dedupe_ttl`` passes.
 """
 
 import functools
 import inspect
 import logging
+import os
 import signal
+import socket
 import string
 
+from billiard.einfo import ExceptionWithTraceback
 from celery import shared_task
 from celery.contrib.django.task import DjangoTask
-from celery.exceptions import Retry
+from celery.exceptions import Retry, WorkerLostError
 from celery.signals import task_revoked
+from celery.worker.request import Request
+from django.core import signing
 
 from distlock import metrics
 from distlock.api import acquire
@@ -46,6 +57,10 @@ CONFLICT_OUTCOMES = {"skip": "skip", "retry": "retry", "raise": "fail"}
 #: Message header that carries the queued marker's name and owner id from ``apply_async()`` to the run.
 QUEUED_HEADER = "distlock_queued"
 
+#: ``django.core.signing`` salt of the ``QUEUED_HEADER`` value: anyone who can publish to the broker
+#: could otherwise name any marker and owner id and have a worker delete it, or skip ``dedupe``.
+QUEUED_HEADER_SALT = "distlock.celery.queued"
+
 #: Signals after which a terminated run can never reach its ``finally``, so the worker's main process
 #: releases on its behalf. Not SIGTERM (``revoke(terminate=True)``'s default): billiard's pool child
 #: turns it into ``SystemExit``, so the run unwinds and releases by itself, and releasing for it while
@@ -55,6 +70,32 @@ FATAL_SIGNALS = frozenset({signal.SIGKILL})
 
 class AlreadyQueued(LockError):
     """``dedupe=True``: a call with the same key is already queued or running; nothing was enqueued."""
+
+
+class SingleInstanceRequest(Request):
+    """The worker's request of a ``SingleInstanceTask``: frees the lock of a run whose pool child died.
+
+    ``on_failure`` runs in the worker's main process. When the pool child that ran the task died
+    (``WorkerLostError``: SIGKILL, the OOM killer, a segfault; billiard reports it only once the
+    child has exited), the run can never reach its ``finally``, so its lock is released here, by
+    owner id, *before* Celery acts on the message: with ``acks_late`` and
+    ``task_reject_on_worker_lost`` the message is requeued (same task id), with
+    ``retry_on_worker_lost`` it is retried, and that next delivery must find the key free instead of
+    being skipped for up to ``ttl``. Celery sends no ``task_failure`` for a requeued message, which
+    is why this is a request hook and not a signal receiver.
+    """
+
+    def on_failure(self, exc_info, send_failed_event=True, return_ok=False):
+        exc = exc_info.exception
+        if isinstance(exc, ExceptionWithTraceback):
+            exc = exc.exc
+        if isinstance(exc, WorkerLostError) and isinstance(self.task, SingleInstanceTask):
+            try:
+                self.task._release_lock_of_dead_run(self, cause=str(exc))
+            except Exception:  # never keep Celery from requeueing or failing the message
+                logger.exception("Could not release the lock of %s[%s] after its worker was lost; "
+                                 "it expires after its ttl", self.task.name, self.id)
+        return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
 
 class SingleInstanceTask(DjangoTask):
@@ -82,6 +123,9 @@ class SingleInstanceTask(DjangoTask):
     dedupe = False
     #: Seconds a queued marker blocks duplicates at most if its run never releases it (None: ``lock_ttl``).
     dedupe_ttl = None
+
+    #: The worker's request class: releases the lock of a run whose pool child died (see its docstring).
+    Request = "distlock.celery:SingleInstanceRequest"
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -137,14 +181,19 @@ class SingleInstanceTask(DjangoTask):
         finally:
             current_task_id.reset(task_id_context)
             if not handed_on:
-                self._release_queued_marker(self.request.headers)
+                self._release_queued_marker(self.request.headers, args, kwargs)
+
+    def _acquire_run_lock(self, name):
+        return acquire(name, ttl=self.lock_ttl, blocking=False, using=self.lock_using,
+                       auto_renew=True, max_hold=self.lock_max_hold)
 
     def _run_locked(self, name, args, kwargs):
         try:
-            lease = acquire(name, ttl=self.lock_ttl, blocking=False, using=self.lock_using,
-                            auto_renew=True, max_hold=self.lock_max_hold)
+            lease = self._acquire_run_lock(name)
         except LockNotAcquired as exc:
-            return self._conflict(name, exc)
+            lease = self._take_over_from_dead_delivery(name) if self._redelivered() else None
+            if lease is None:
+                return self._conflict(name, exc)
         lost = False
         try:
             if self._accepts_lease:
@@ -163,11 +212,50 @@ class SingleInstanceTask(DjangoTask):
             )
         return result
 
+    def _redelivered(self):
+        """Return True if the broker marked this message redelivered (requeued, or restored after a lost worker)."""
+        return bool((self.request.delivery_info or {}).get("redelivered"))
+
+    def _take_over_from_dead_delivery(self, name):
+        """Return the run lock taken over from an earlier, dead delivery of this message, or None.
+
+        Only for a redelivered message whose key is held by a lock record of this very task id,
+        written on this host by a process that no longer exists: the worker's main process could
+        not release it (it died too, or the backend was unreachable then), so nobody else ever
+        will before ``ttl``. A holder on another host, or a pid that still exists, may be a live
+        run of the same message (a broker that redelivers a message still running): left alone.
+        """
+        task_id = self.request.id
+        if not task_id:
+            return None
+        backend = locks[self.lock_using]
+        for info in backend.held_locks(prefix=name):
+            if info.name != name or info.task_id != task_id:
+                continue
+            if info.host != socket.gethostname() or not info.pid or _process_exists(info.pid):
+                logger.warning("%s[%s] was redelivered while lock %r is held by an earlier delivery of it "
+                               "(host %s, pid %s) that may still be running", self.name, task_id, name,
+                               info.host, info.pid)
+                return None
+            if backend.force_release(name, info.owner):
+                logger.warning("Released lock %r of a dead earlier delivery of %s[%s] (host %s, pid %s no "
+                               "longer exists)", name, self.name, task_id, info.host, info.pid)
+            try:
+                return self._acquire_run_lock(name)
+            except LockNotAcquired:
+                return None
+        return None
+
     def _conflict(self, name, exc):
         """Skip, retry or fail a run whose key another run holds, loudly."""
         metrics.record_task_conflict(self.lock_using, name, CONFLICT_OUTCOMES[self.on_conflict])
         if self.on_conflict == "skip":
-            logger.info("Skipped %s[%s]: lock %r is held by another run", self.name, self.request.id, name)
+            if self._redelivered():
+                logger.warning("Skipped redelivered %s[%s]: lock %r is held by another run; this message "
+                               "will not run (use on_conflict='retry' with acks_late to keep it)",
+                               self.name, self.request.id, name)
+            else:
+                logger.info("Skipped %s[%s]: lock %r is held by another run", self.name, self.request.id, name)
             task_skipped.send(sender=type(self), task=self, key=name, task_id=self.request.id)
             return None
         if self.on_conflict == "retry":
@@ -182,8 +270,13 @@ class SingleInstanceTask(DjangoTask):
 
     def apply_async(self, args=None, kwargs=None, *more, **options):
         """Enqueue the call; with ``dedupe`` raise ``AlreadyQueued`` if its key is queued or running."""
-        if not self.dedupe or QUEUED_HEADER in (options.get("headers") or {}):  # a retry carries its marker on
+        if not self.dedupe:
             return super().apply_async(args, kwargs, *more, **options)
+        headers = options.pop("headers", None) or {}
+        if QUEUED_HEADER in headers:
+            if self._queued_marker(headers, args or (), kwargs or {}) is not None:  # a retry carries its marker on
+                return super().apply_async(args, kwargs, *more, headers=headers, **options)
+            headers = {key: value for key, value in headers.items() if key != QUEUED_HEADER}
         marker = self.lock_name(args or (), kwargs or {}) + ":queued"
         ttl = self.dedupe_ttl or self.lock_ttl or locks[self.lock_using].settings["DEFAULT_TTL"]
         try:
@@ -197,27 +290,62 @@ class SingleInstanceTask(DjangoTask):
                 f"(marker {marker!r} on alias '{self.lock_using}'); retry after it finishes or after "
                 f"dedupe_ttl={ttl:g}s."
             ) from exc
-        headers = {**(options.pop("headers", None) or {}), QUEUED_HEADER: {"name": marker, "owner": lease.owner}}
+        signed = signing.dumps({"name": marker, "owner": lease.owner}, salt=QUEUED_HEADER_SALT)
+        headers = {**headers, QUEUED_HEADER: signed}
         try:
             return super().apply_async(args, kwargs, *more, headers=headers, **options)
         except BaseException:
             lease.release()
             raise
 
-    def _release_queued_marker(self, headers):
+    def _queued_marker(self, headers, args, kwargs):
+        """Return ``{"name", "owner"}`` of the queued marker in ``headers``, or None if absent or not to be trusted.
+
+        Trusted only when signed by ``apply_async()`` with this project's ``SECRET_KEY`` (or one of
+        ``SECRET_KEY_FALLBACKS``) and naming this call's own marker; anything else is logged and ignored.
+        """
+        value = (headers or {}).get(QUEUED_HEADER)
+        if value is None:
+            return None
+        try:
+            if not isinstance(value, str):
+                raise signing.BadSignature("not a signed string")
+            marker = signing.loads(value, salt=QUEUED_HEADER_SALT)
+        except signing.BadSignature as exc:
+            logger.warning("Ignored the %s header of %s: not signed by this project (%s)",
+                           QUEUED_HEADER, self.name, exc)
+            return None
+        expected = self.lock_name(args, kwargs) + ":queued"
+        if (not isinstance(marker, dict) or marker.get("name") != expected
+                or not isinstance(marker.get("owner"), str) or not marker["owner"]):
+            logger.warning("Ignored the %s header of %s: it does not name this call's marker %r",
+                           QUEUED_HEADER, self.name, expected)
+            return None
+        return marker
+
+    def _release_queued_marker(self, headers, args, kwargs):
         """Delete the queued marker named in ``headers`` if its owner id still holds it."""
-        marker = (headers or {}).get(QUEUED_HEADER)
+        marker = self._queued_marker(headers, args, kwargs)
         if marker:
             locks[self.lock_using].force_release(marker["name"], marker["owner"])
 
-    def _release_lock_of_killed_run(self, request, signum):
-        """Release the run lock of ``request`` (its pool child was just killed): only the record it owns."""
+    def _release_lock_of_dead_run(self, request, cause):
+        """Release the run lock of ``request`` (its pool child is dead): only the record that run wrote.
+
+        Runs in the worker's main process. The record is found by the task id and host stored with
+        the lock, and by the pid of the pool child that accepted the request when ``request`` is the
+        worker's request (``WorkerLostError``); it is deleted by its owner id. The next delivery of
+        the message comes only after this returns, so it is never the one released.
+        """
         name = self.lock_name(request.args or (), request.kwargs or {})
         backend = locks[self.lock_using]
+        host, pid = socket.gethostname(), getattr(request, "worker_pid", None)  # a revoke's Context has none
         for info in backend.held_locks(prefix=name):
-            if info.name == name and info.task_id and info.task_id == request.id:
-                backend.force_release(name, info.owner)
-                logger.info("Released lock %r of %s[%s], killed by signal %s", name, self.name, request.id, signum)
+            if (info.name == name and info.task_id and info.task_id == request.id and info.host == host
+                    and (pid is None or info.pid == pid)):
+                if backend.force_release(name, info.owner):
+                    logger.info("Released lock %r of %s[%s] (pool child pid %s): %s",
+                                name, self.name, request.id, info.pid, cause)
 
 
 @task_revoked.connect
@@ -233,9 +361,20 @@ def release_after_revoke(sender=None, request=None, terminated=False, signum=Non
         return
     if terminated and signum not in FATAL_SIGNALS:
         return
-    sender._release_queued_marker(request.headers)
+    sender._release_queued_marker(request.headers, request.args or (), request.kwargs or {})
     if terminated:
-        sender._release_lock_of_killed_run(request, signum)
+        sender._release_lock_of_dead_run(request, cause=f"killed by signal {signum}")
+
+
+def _process_exists(pid):
+    """Return False only if no process ``pid`` exists on this host (a zombie, or another user's process, exists)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def check_options(task_name, *, key, ttl, using, max_hold, on_conflict, retry_countdown, dedupe, dedupe_ttl,

@@ -17,10 +17,17 @@ from itertools import combinations
 
 import pytest
 from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded, WorkerLostError
+from django.core import signing
 
 import distlock
 from distlock import metrics
-from distlock.celery import AlreadyQueued, SingleInstanceTask, single_instance_task
+from distlock.celery import (
+    QUEUED_HEADER,
+    QUEUED_HEADER_SALT,
+    AlreadyQueued,
+    SingleInstanceTask,
+    single_instance_task,
+)
 from distlock.exceptions import LockLost, LockNotAcquired
 from distlock.handler import locks
 from distlock.holder import current_task_id
@@ -129,8 +136,19 @@ def deduped(self, item, fail=False):
     return held
 
 
+@single_instance_task(name="test_celery.deduped_header", key="deduped-header:{item}", using="locmem", dedupe=True,
+                      bind=True)
+def deduped_header(self, item):
+    return self.request.headers[QUEUED_HEADER]
+
+
 def token_of_run(name, lease=None):
     return lease.token
+
+
+#: A run lock with a long ttl on a shared server, for a lock record left by another (dead) process.
+redelivered = single_instance_task(name="test_celery.redelivered", key="redelivered:{name}", using="redis",
+                                   ttl=60)(token_of_run)
 
 
 #: One task per alias: the decorator works with any backend.
@@ -271,6 +289,116 @@ def test_dedupe_refuses_while_queued_and_clears_the_marker(eager, counted):
     result = deduped.delay(2, fail=True)
     assert result.state == "FAILURE"
     assert locks["locmem"].held_locks(prefix="deduped:2") == [], "released after a failed run too"
+
+
+def test_dedupe_header_is_signed_and_names_the_marker(eager):
+    header = deduped_header.delay(1).get()
+    marker = signing.loads(header, salt=QUEUED_HEADER_SALT)
+    assert marker["name"] == "deduped-header:1:queued" and len(marker["owner"]) == 32
+    with pytest.raises(signing.BadSignature):
+        signing.loads(header, salt="another.salt")
+    assert locks["locmem"].held_locks(prefix="deduped-header:1") == []
+
+
+def test_unsigned_tampered_or_foreign_queued_header_is_ignored(eager, caplog):
+    """A header not signed by ``apply_async()`` for this call neither releases a marker nor skips dedupe."""
+    caplog.set_level(logging.WARNING, logger="distlock.celery")
+    queued = distlock.acquire("deduped:3:queued", ttl=30, blocking=False, using="locmem")  # a call of item 3 is queued
+    other = distlock.acquire("deduped:4:queued", ttl=30, blocking=False, using="locmem")  # and one of item 4
+    claim = {"name": queued.name, "owner": queued.owner}
+    genuine = signing.dumps(claim, salt=QUEUED_HEADER_SALT)
+    forged_headers = {
+        "unsigned": claim,
+        "garbage": "not-a-signature",
+        "tampered": genuine[:-1] + ("A" if genuine[-1] != "A" else "B"),
+        "other salt": signing.dumps(claim, salt="another.salt"),
+        "another key's marker": signing.dumps({"name": other.name, "owner": other.owner}, salt=QUEUED_HEADER_SALT),
+    }
+    try:
+        for what, header in forged_headers.items():
+            caplog.clear()
+            result = deduped.apply((3,), headers={QUEUED_HEADER: header})
+            assert result.state == "SUCCESS", what
+            held = {info.name: info.owner for info in locks["locmem"].held_locks(prefix="deduped:")}
+            assert held == {queued.name: queued.owner, other.name: other.owner}, \
+                f"a run with a {what} header released a marker"
+            assert any(QUEUED_HEADER in record.getMessage() and record.levelno == logging.WARNING
+                       for record in caplog.records), f"the {what} header was not logged"
+            with pytest.raises(AlreadyQueued):
+                deduped.apply_async((3,), headers={QUEUED_HEADER: header})
+        # The genuine header is honoured: the run releases its own marker.
+        assert deduped.apply((3,), headers={QUEUED_HEADER: genuine}).state == "SUCCESS"
+        assert [info.name for info in locks["locmem"].held_locks(prefix="deduped:")] == [other.name]
+    finally:
+        queued.release()
+        other.release()
+
+
+def run_as_delivery(task, task_id, args, *, redelivered):
+    """Call ``task`` as a worker runs a message with ``task_id``, flagged redelivered by the broker or not."""
+    task.push_request(id=task_id, delivery_info={"redelivered": redelivered}, headers=None)
+    try:
+        return task(*args)
+    finally:
+        task.pop_request()
+
+
+DEAD_DELIVERY = """
+import os, sys
+import django
+django.setup()
+import distlock
+from distlock.holder import current_task_id
+current_task_id.set(sys.argv[2])
+lease = distlock.acquire(sys.argv[1], ttl=60, blocking=False, using="redis")
+print(lease.token, flush=True)
+os._exit(0)  # dies holding the lock: no release, no atexit
+"""
+
+
+def test_redelivery_takes_over_the_lock_of_its_own_dead_delivery(caplog):
+    """A redelivered message whose own earlier delivery died on this host holding the key runs at once."""
+    require_alias("redis")
+    name = run_key()
+    task_id = f"dead-delivery-{name}"
+    caplog.set_level(logging.INFO, logger="distlock.celery")
+    # A process that took the run lock as the delivery of ``task_id`` would, then died without releasing.
+    dead = subprocess.run([sys.executable, "-c", DEAD_DELIVERY, f"redelivered:{name}", task_id], env=child_env(),
+                          capture_output=True, text=True, timeout=60, check=True)
+    dead_token = int(dead.stdout.split()[-1])
+    (info,) = locks["redis"].held_locks(prefix=f"redelivered:{name}")
+    assert info.task_id == task_id and info.pid != os.getpid()
+
+    # Not a redelivery (another message that happens to reuse the id): skipped like any conflict.
+    assert run_as_delivery(redelivered, task_id, (name,), redelivered=False) is None
+    # A redelivery of another message: the holder is not its own earlier delivery.
+    assert run_as_delivery(redelivered, f"other-{name}", (name,), redelivered=True) is None
+    token = run_as_delivery(redelivered, task_id, (name,), redelivered=True)
+    assert isinstance(token, int) and token > dead_token, "the redelivery must run, not be skipped"
+    assert any("dead earlier delivery" in record.getMessage() for record in caplog.records)
+    assert locks["redis"].held_locks(prefix=f"redelivered:{name}") == [], "the redelivery released after its run"
+
+
+def test_redelivery_leaves_a_live_holder_of_its_task_id_alone(caplog):
+    """A holder of the same task id whose process exists (a broker redelivering a running message) keeps the key."""
+    require_alias("redis")
+    name = run_key()
+    task_id = f"live-delivery-{name}"
+    caplog.set_level(logging.WARNING, logger="distlock.celery")
+    token = current_task_id.set(task_id)
+    try:
+        live = distlock.acquire(f"redelivered:{name}", ttl=60, blocking=False, using="redis")
+    finally:
+        current_task_id.reset(token)
+    try:
+        assert run_as_delivery(redelivered, task_id, (name,), redelivered=True) is None
+        (info,) = locks["redis"].held_locks(prefix=f"redelivered:{name}")
+        assert info.owner == live.owner
+        assert any("may still be running" in record.getMessage() for record in caplog.records)
+        assert any("Skipped redelivered" in record.getMessage() and record.levelno == logging.WARNING
+                   for record in caplog.records), "a dropped redelivery must be logged as a warning"
+    finally:
+        live.release()
 
 
 def test_options_are_checked_at_decoration():
@@ -441,17 +569,19 @@ def test_renewal_keeps_a_run_longer_than_its_ttl(workers):
     assert run.token == token and run.finished_ns - run.started_ns >= 4.5e9
 
 
-def test_sigkilled_run_frees_its_key_within_ttl(workers):
+def test_sigkilled_run_frees_its_key_at_once(workers):
+    """A pool child killed outright (no revoke): the worker's main process releases its lock on ``WorkerLostError``."""
     key = run_key()
-    result = tasks.hold_short_ttl.delay(key, 60)
+    result = tasks.hold_long_ttl.delay(key, 60)
     run = wait_for_run(key)[0]
     os.kill(run.pid, signal.SIGKILL)  # a pool child of a worker this module started
     killed = time.monotonic()
-    with pytest.raises(LockNotAcquired):
-        distlock.acquire(f"celery-test:{key}", blocking=False, using="redis")
-    assert key_freed_after(f"celery-test:{key}", "redis", killed, timeout=10) <= 3 + 0.5
+    # ttl is 30 s: a key free within seconds was released, not expired.
+    assert key_freed_after(f"celery-test:{key}", "redis", killed, timeout=15) < 12
     with pytest.raises(WorkerLostError):
         result.get(timeout=30)
+    wait_until(lambda: f"Released lock 'celery-test:{key}' of tests.celery_app.tasks.hold_long_ttl[{result.id}] "
+                       f"(pool child pid {run.pid})" in worker_logs(workers), 10, "the main process's release log line")
 
 
 @pytest.mark.parametrize("signum", ["SIGTERM", "SIGKILL"])
@@ -465,6 +595,31 @@ def test_revoke_with_terminate_releases_the_key(workers, signum):
     # ttl is 30 s: a key free within seconds was released, not expired.
     assert key_freed_after(f"celery-test:{key}", "redis", revoked, timeout=10) < 5
     assert TaskRun.objects.get(key=key).finished_ns is None, "the run must have been cut short"
+
+
+@pytest.mark.parametrize("alias", ["redis", "postgres"])
+def test_acks_late_redelivery_of_a_killed_run_runs(workers, alias):
+    """``acks_late`` + ``reject_on_worker_lost``: the run's pool child is SIGKILLed (as the OOM killer
+    would); the worker's main process releases its lock before the message is requeued, so the
+    redelivery (same task id) gets the key and runs instead of being skipped as ``SUCCESS(None)``."""
+    key = run_key()
+    result = tasks.HOLD_ACKS_LATE[alias].delay(key)
+    first = wait_for_run(key)[0]
+    os.kill(first.pid, signal.SIGKILL)  # a pool child of a worker this module started
+    # ttl is 30 s: a redelivery comes within ``worker_lost_wait`` (10 s) of the kill, while the key would
+    # still be held had nobody released it.
+    wait_until(lambda: TaskRun.objects.filter(key=key, finished_ns__isnull=False).exists(), 40,
+               "the redelivered run to finish")
+    killed, again = wait_for_run(key, count=2)
+    assert killed.pk == first.pk and killed.finished_ns is None, "the first run must have been cut short"
+    assert again.task_id == killed.task_id == result.id, "the second run is the redelivery of the same message"
+    assert again.pid != killed.pid and again.token > killed.token
+    assert result.get(timeout=30) == again.token, "the redelivered run's result, not a skip's None"
+    distlock.acquire(f"celery-test:{key}", blocking=False, using=alias).release()  # and it released after its run
+    # Released by the main process on WorkerLostError, before the requeue; not taken over by the redelivery.
+    released = f"Released lock 'celery-test:{key}' of {tasks.HOLD_ACKS_LATE[alias].name}[{result.id}] (pool child pid "
+    wait_until(lambda: f"{released}{killed.pid})" in worker_logs(workers), 10, "the main process's release log line")
+    assert "dead earlier delivery" not in worker_logs(workers)
 
 
 def test_time_limits_release_the_key(workers):

@@ -42,3 +42,20 @@ hold_soft_limit = hold_task("hold_soft_limit", using="redis", ttl=30, soft_time_
 hold_hard_limit = hold_task("hold_hard_limit", using="redis", ttl=3, time_limit=1)
 hold_dedupe = hold_task("hold_dedupe", using="redis", ttl=10, dedupe=True, dedupe_ttl=30)
 hold_dedupe_short = hold_task("hold_dedupe_short", using="redis", ttl=10, dedupe=True, dedupe_ttl=1.5)
+
+
+def hold_until_killed(self, run_key, lease=None):
+    """Record the run; the first delivery of a message then holds its lock for 60 s (time enough to
+    kill its pool child), a later delivery of the same message (same task id) finishes at once."""
+    first_delivery = not TaskRun.objects.filter(key=run_key, task_id=self.request.id).exists()
+    return hold(self, run_key, 60 if first_delivery else 0, lease=lease)
+
+
+#: ``acks_late`` + ``reject_on_worker_lost``, default ``on_conflict="skip"``: a killed run's message is
+#: requeued. ttl 30 s: the redelivery comes within ``worker_lost_wait`` (10 s) of the kill, within the ttl.
+HOLD_ACKS_LATE = {
+    alias: single_instance_task(name=f"tests.celery_app.tasks.hold_acks_late_{alias}", key="celery-test:{run_key}",
+                                bind=True, using=alias, ttl=30, acks_late=True, reject_on_worker_lost=True)(
+        hold_until_killed)
+    for alias in ("redis", "postgres")
+}
