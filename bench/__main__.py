@@ -5,7 +5,9 @@
    contending for one key (critical sections/s, hand-offs/s, wait p99, Jain's fairness index).
 2. ``bench.redis_baselines``: the Redis backend against the protocol floor, redis-py's ``Lock`` and
    python-redis-lock on the same server, with the target ratios.
-3. Every other module of this package that has a ``main(argv)`` (e.g. ``bench.celery``), with its defaults.
+3. Every other module of this package that has a ``main(argv)`` (e.g. ``bench.celery``), with its defaults;
+   ``bench.tries`` (grants/s of contended non-blocking tries per alias, next to Redis) takes its slot
+   length from ``DISTLOCK_BENCH_TRIES_SECONDS``.
 
 The database backends need their tables: test databases are created (and dropped afterwards) as the
 test runner does, and worker processes use them.

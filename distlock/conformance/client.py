@@ -11,6 +11,7 @@ The parent pauses (SIGSTOP) and kills (SIGKILL) the process between or during co
 it records is what the checker judges.
 """
 
+import faulthandler
 import json
 import os
 import queue
@@ -18,6 +19,7 @@ import random
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 
 class Client:
@@ -180,6 +182,140 @@ class Client:
             time.sleep(rng.uniform(*gap))
         return counts
 
+    # -- many threads in one process -----------------------------------------------------------------
+
+    def _turn(self, tally, lease, hold, rng):
+        """Record a granted ``lease``'s critical section of ``rng.uniform(*hold)`` seconds; release is the caller's."""
+        name, owner = lease.name, lease.owner
+        self.history.record("acquire", phase="ok", lock=name, token=lease.token, owner=owner)
+        self.history.record("cs_enter", lock=name, owner=owner, token=lease.token)
+        if hold[1] > 0:
+            time.sleep(rng.uniform(*hold))
+        self.history.record("cs_exit", lock=name, owner=owner, token=lease.token)
+        tally.add("acquired")
+
+    def _take(self, tally, name, ttl, timeout, hold, rng):
+        """acquire, critical section, ``Lease.release()``: one call of an executor thread; failures are tallied."""
+        try:
+            lease = self.distlock.acquire(name, ttl=ttl, timeout=timeout, using=self.alias)
+            try:
+                self._turn(tally, lease, hold, rng)
+            finally:
+                released = lease.release()
+            self.history.record("release", phase="ok", lock=name, owner=lease.owner, released=released)
+            if not released:
+                raise ReleasedNothing(f"the lease of {lease.owner} was no longer on the server at its release")
+        except Exception as exc:  # noqa: BLE001 - every failure counts, whatever its type
+            tally.error(exc, name)
+
+    def _serve(self, tally, name, ttl, timeout, hold, rng):
+        """``with distlock.lock(name)``: one request of a thread-per-request server; failures are tallied."""
+        try:
+            with self.distlock.lock(name, ttl=ttl, timeout=timeout, using=self.alias) as lease:
+                self._turn(tally, lease, hold, rng)
+            self.history.record("release", phase="ok", lock=name, owner=lease.owner)
+        except Exception as exc:  # noqa: BLE001
+            tally.error(exc, name)
+
+    def churn(self, prefix, mode, seconds, names=5, ttl=10.0, timeout=30.0, hold=(0.0, 0.002), seed=0):
+        """Take locks ``{prefix}:{n % names}`` from threads that start and end all the time, for ``seconds``.
+
+        ``mode`` "executor": a ``ThreadPoolExecutor`` of 10 threads, each making 40 acquire/release
+        (fewer once ``seconds`` are over), shut down and recreated, again and again (what
+        ``asyncio.to_thread`` and ``sync_to_async(thread_sensitive=False)`` do to their threads).
+        ``mode`` "request": a new thread per request, 8 at once, each ``with distlock.lock(...)``
+        (what ``runserver`` does). Thread idents are reused as soon as a thread ends, so any state a
+        backend keys by thread is put to the test. Return the counts: acquisitions, errors by type,
+        the first error, threads started.
+        """
+        tally = _Tally()
+        deadline = time.monotonic() + seconds
+        rng = random.Random(seed)
+        started = 0
+        if mode == "executor":
+            def rounds(first):
+                local = random.Random(rng.random())
+                for n in range(first, first + 40):
+                    if time.monotonic() >= deadline:
+                        return
+                    self._take(tally, f"{prefix}:{n % names}", ttl, timeout, hold, local)
+
+            generation = 0
+            while time.monotonic() < deadline:
+                with ThreadPoolExecutor(max_workers=10, thread_name_prefix=f"churn-{generation}") as pool:
+                    for worker in range(10):
+                        pool.submit(rounds, worker * 40)
+                started += 10
+                generation += 1
+        elif mode == "request":
+            at_once = threading.BoundedSemaphore(8)
+            running = []
+            n = 0
+
+            def serve(number, local):
+                try:
+                    self._serve(tally, f"{prefix}:{number % names}", ttl, timeout, hold, local)
+                finally:
+                    at_once.release()
+
+            while time.monotonic() < deadline:
+                if not at_once.acquire(timeout=max(deadline - time.monotonic(), 0.001)):
+                    break
+                thread = threading.Thread(target=serve, args=(n, random.Random(rng.random())), name=f"request-{n}")
+                thread.start()
+                running.append(thread)
+                running = [thread for thread in running if thread.is_alive()]
+                n += 1
+            started = n
+            for thread in running:
+                thread.join()
+        else:
+            raise ValueError(f"unknown churn mode {mode!r}; use 'executor' or 'request'")
+        return {**tally.counts(), "threads": started}
+
+    def tries(self, name, threads, start, seconds, ttl=10.0, hold=0.003):
+        """``threads`` threads try ``name`` back to back (``blocking=False``) from ``start`` for ``seconds``.
+
+        ``start`` is a ``time.monotonic_ns()`` moment, the same for every process on the machine. A
+        granted try is recorded (acquire, critical section of ``hold`` seconds, release); a missed
+        one only counted. Return tries, acquisitions, errors by type and the first error.
+        """
+        tally = _Tally()
+        end = start + int(seconds * 1e9)
+        not_acquired = self.distlock.LockNotAcquired
+
+        def loop():
+            delay = (start - time.monotonic_ns()) / 1e9
+            if delay > 0:
+                time.sleep(delay)
+            tries = 0
+            rng = random.Random(0)
+            while time.monotonic_ns() < end:
+                tries += 1
+                try:
+                    lease = self.distlock.acquire(name, ttl=ttl, blocking=False, using=self.alias)
+                except not_acquired:
+                    continue
+                except Exception as exc:  # noqa: BLE001 - every failure counts, whatever its type
+                    tally.error(exc, name)
+                    continue
+                try:
+                    self._turn(tally, lease, (hold, hold), rng)
+                    released = lease.release()
+                    self.history.record("release", phase="ok", lock=name, owner=lease.owner, released=released)
+                    if not released:
+                        raise ReleasedNothing(f"the lease of {lease.owner} was no longer on the server at its release")
+                except Exception as exc:  # noqa: BLE001
+                    tally.error(exc, name)
+            tally.add("tries", tries)
+
+        workers = [threading.Thread(target=loop, name=f"tries-{index}") for index in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        return tally.counts()
+
     def metrics(self):
         """Return this process's fencing-rejection metric, summed over its labels (None without prometheus_client).
 
@@ -211,8 +347,37 @@ class Client:
         return import_string(function)(self, **arguments)
 
 
+class ReleasedNothing(Exception):
+    """``Lease.release()`` returned False for a lease held well within its ttl: the server no longer had it."""
+
+
+class _Tally:
+    """Counts shared by the threads of one command: acquisitions, tries, errors by type and the first error."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._counts = {"acquired": 0, "tries": 0}
+        self._errors = {}
+        self._first = None
+
+    def add(self, what, amount=1):
+        with self._lock:
+            self._counts[what] += amount
+
+    def error(self, exc, name):
+        with self._lock:
+            kind = type(exc).__name__
+            self._errors[kind] = self._errors.get(kind, 0) + 1
+            if self._first is None:
+                self._first = f"{kind} on {name!r}: {exc}"
+
+    def counts(self):
+        with self._lock:
+            return {**self._counts, "errors": dict(self._errors), "first_error": self._first}
+
+
 COMMANDS = {"acquire", "release", "claim", "write", "enter", "exit", "check", "watch", "hold_valid", "sleep",
-            "loop", "metrics", "describe", "probe"}
+            "loop", "churn", "tries", "metrics", "describe", "probe"}
 
 
 def answer(lock, message):
@@ -227,6 +392,8 @@ def run(config, control=None):
 
     from distlock.conformance.history import History  # noqa: PLC0415
 
+    # A crash (SIGSEGV in a C extension) leaves every thread's stack in the client's stderr file.
+    faulthandler.enable()
     django.setup()
     history = History(config["history"], config["proc"])
     client = Client(config, history)

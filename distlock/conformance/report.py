@@ -32,6 +32,9 @@ class Result:
     rejection_metric: int | None = None
     #: Milliseconds from a holder's death (or fault) to the next acquisition by someone else (P7).
     recovery_ms: list = field(default_factory=list)
+    #: Granted and attempted tries per second, for scenarios that measure them (contended tries); else None.
+    grants_per_second: float | None = None
+    tries_per_second: float | None = None
     violations: list = field(default_factory=list)
     notes: list = field(default_factory=list)
 

@@ -8,6 +8,10 @@
   (expected, reported), the store must refuse the stale write.
 - ``client_crash``: the holder is killed (SIGKILL) in its critical section; a waiting client must get
   the lock once the server has noticed (ttl, or session timeout), and its writes must be accepted.
+- ``thread_churn``: clients whose threads start and end all the time (executor generations, a thread
+  per request) take locks on five names: no crash, no error, no overlap.
+- ``contended_tries``: processes x threads try one name back to back without blocking: no overlap;
+  the grant rate is reported.
 
 Each returns a ``Result``; the fault-injection suite of the test tree runs them too, next to the
 scenarios that break servers.
@@ -17,7 +21,7 @@ import random
 import threading
 import time
 
-from distlock.conformance.process import ClientError
+from distlock.conformance.process import ClientDied, ClientError
 from distlock.conformance.run import RECOVERY_SLACK, wait_until
 
 #: Seconds a lock is held (by ttl) in the contention scenario: far longer than any pause it suffers.
@@ -147,3 +151,110 @@ def client_crash(run, backend, *, ttl=2.0, runs=1):
         take_turn(waiter, name, row)
     run.close()
     return run.judge("client crash", backend, runs, expect_overlap=False, recovery_bound=bound)
+
+
+#: Names the thread-churn clients share (``order:{n % 5}``, as a shop's requests would).
+CHURN_NAMES = 5
+
+
+def _died(client):
+    """Describe how a client process that stopped answering ended: its exit status and stderr's last lines."""
+    try:
+        code = client.process.wait(10)
+    except Exception:  # noqa: BLE001 - still running: it hung rather than died
+        code = None
+    how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
+    lines = client.stderr_tail(20000).strip().splitlines()
+    # faulthandler's dump: "Fatal Python error: ...", then every thread; the crashing one is "Current thread".
+    fatal = [line for line in lines if line.startswith("Fatal Python error")][-1:]
+    current = next((index for index in reversed(range(len(lines))) if lines[index].startswith("Current thread")),
+                   None)
+    shown = fatal + (lines[current:current + 4] if current is not None else lines[-6:])
+    return f"client {client.proc} died ({how}): " + " | ".join(line.strip() for line in shown)
+
+
+def _errors(counts):
+    """Return "N TypeName, M OtherName (first: ...)" for the error counts of client commands, or ""."""
+    errors = {}
+    for count in counts:
+        for kind, number in count["errors"].items():
+            errors[kind] = errors.get(kind, 0) + number
+    if not errors:
+        return ""
+    first = next(count["first_error"] for count in counts if count["first_error"])
+    return ", ".join(f"{number} {kind}" for kind, number in sorted(errors.items())) + f" (first: {first})"
+
+
+def thread_churn(run, backend, *, seconds=3.0, processes=1, ttl=10.0, timeout=30.0, seed=0):
+    """Clients whose threads come and go take locks on ``CHURN_NAMES`` names for ``seconds``.
+
+    ``processes`` clients run executor generations (a ``ThreadPoolExecutor`` of 10 threads doing 40
+    acquire/release each, recreated again and again) and as many serve a thread per request (a new
+    thread per request, 8 at once, ``with distlock.lock(...)``), all on the same names. A crash,
+    an error or an overlap is a violation; so is a client that takes no lock at all.
+    """
+    modes = ["executor"] * processes + ["request"] * processes
+    clients = run.spawn(*[f"{mode}-{i % processes}" for i, mode in enumerate(modes)])
+    prefix = f"{run.lock_name()}:order"
+    sent = [(client, client.send("churn", prefix=prefix, mode=mode, seconds=seconds, names=CHURN_NAMES, ttl=ttl,
+                                 timeout=timeout, seed=seed + i))
+            for i, (client, mode) in enumerate(zip(clients, modes))]
+    counts, problems, idle = [], [], []
+    for client, command in sent:
+        try:
+            count = client.result(command, wait=seconds + timeout + 120)
+        except ClientDied:
+            problems.append(_died(client))
+            continue
+        except (ClientError, TimeoutError) as exc:
+            problems.append(f"client {client.proc}: {exc}")
+            continue
+        counts.append(count)
+        if count["acquired"] == 0:
+            idle.append(client.proc)
+    run.close()
+    result = run.judge("threads that come and go", backend, len(sent), expect_overlap=False)
+    result.violations += problems
+    errors = _errors(counts)
+    if errors:
+        result.violations.append(f"errors: {errors}")
+    if idle:
+        result.violations.append(f"no lock taken by {', '.join(idle)}")
+    if counts:
+        threads = sum(count["threads"] for count in counts)
+        result.notes.append(f"{threads} threads started in {seconds:g} s")
+    return result
+
+
+def contended_tries(run, backend, *, processes=2, threads=20, seconds=4.0, ttl=10.0, hold=0.003):
+    """``processes`` x ``threads`` threads try one name back to back (``blocking=False``), holding ``hold`` s.
+
+    Every granted try is a critical section: none may overlap another. The grant rate (granted tries
+    per second) is measured and reported: a lock that tries keep failing for each other is free most
+    of the time and still rarely granted. Errors are reported, not violations.
+    """
+    clients = run.spawn(*[f"trying-{i}" for i in range(processes)])
+    name = run.lock_name()
+    start = time.monotonic_ns() + int(0.5e9)  # every client's threads start together
+    sent = [(client, client.send("tries", name=name, threads=threads, start=start, seconds=seconds, ttl=ttl,
+                                 hold=hold)) for client in clients]
+    counts, problems = [], []
+    for client, command in sent:
+        try:
+            counts.append(client.result(command, wait=seconds + 120))
+        except ClientDied:
+            problems.append(_died(client))
+        except (ClientError, TimeoutError) as exc:
+            problems.append(f"client {client.proc}: {exc}")
+    run.close()
+    result = run.judge("contended tries", backend, processes, expect_overlap=False)
+    result.violations += problems
+    tries = sum(count["tries"] for count in counts)
+    result.grants_per_second = result.acquisitions / seconds
+    result.tries_per_second = tries / seconds
+    result.notes.append(f"{result.grants_per_second:.1f} grants/s: {result.acquisitions} of {tries} tries granted "
+                        f"in {seconds:g} s, {processes} processes x {threads} threads")
+    errors = _errors(counts)
+    if errors:
+        result.notes.append(f"errors: {errors}")
+    return result
