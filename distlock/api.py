@@ -30,7 +30,7 @@ def acquire(name, ttl=None, timeout=None, blocking=True, using=DEFAULT_ALIAS, au
     :raises LockNotAcquired: the lock is held (non-blocking) or stayed held past ``timeout``.
     :raises BackendUnavailable: the server did not answer within the timeout.
     """
-    validate_name(name)
+    name = validate_name(name)
     validate_alias(using)
     validate_seconds("ttl", ttl, allow_none=True)
     validate_seconds("timeout", timeout, allow_none=True, allow_zero=True)
@@ -127,7 +127,7 @@ class lock:  # noqa: N801 - used like a function: ``with lock(...)`` and ``@lock
     def __init__(self, name, ttl=None, timeout=None, blocking=True, using=DEFAULT_ALIAS, auto_renew=None,
                  max_hold=None):
         # Validate at construction too, so a bad decorator argument fails at import, not at the first call.
-        validate_name(name)
+        name = validate_name(name)
         self._kwargs = dict(name=name, ttl=ttl, timeout=timeout, blocking=blocking, using=using,
                             auto_renew=auto_renew, max_hold=max_hold)
         if self._mode is not None:

@@ -2,11 +2,16 @@
 
 import math
 import re
+import unicodedata
 
 MAX_NAME_LENGTH = 255
 
-#: Characters no lock name may hold: Unicode's control characters (category Cc) and lone surrogates (Cs).
-_FORBIDDEN_IN_NAMES = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+#: Characters no lock name may hold: Unicode's control characters (category Cc), format characters
+#: (Cf: invisible ones such as U+200B and U+202E, which let two names that look alike differ, or one
+#: name show as another on the admin page) and lone surrogates (Cs).
+_FORBIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Cs"})
+#: The ASCII ones, checked without a per-character look-up (most names are ASCII).
+_FORBIDDEN_IN_ASCII = re.compile(r"[\x00-\x1f\x7f]")
 
 #: Largest ttl, timeout or max_hold accepted, in seconds (about 31 years). Beyond about 3e11 s the
 #: expiry dates servers and ``Lease.expires_at`` compute pass the year 9999, and beyond about 9e9 s
@@ -16,18 +21,29 @@ MAX_SECONDS = 10**9
 
 
 def validate_name(name):
-    """Return ``name`` if it is a usable lock name; raise ``TypeError``/``ValueError`` naming the problem."""
+    """Return ``name`` in Unicode normal form NFC if it is a usable lock name; raise ``TypeError``/``ValueError``.
+
+    One name has one spelling: "é" typed as one code point or as "e" and a combining accent is the
+    same lock, whichever way each process spells it.
+    """
     if not isinstance(name, str):
         raise TypeError(f"Lock name must be a str, got {type(name).__name__}.")
     if not name:
         raise ValueError("Lock name must not be empty.")
+    if name.isascii():
+        forbidden = _FORBIDDEN_IN_ASCII.search(name)
+        forbidden = forbidden[0] if forbidden else None
+    else:
+        forbidden = next((char for char in name if unicodedata.category(char) in _FORBIDDEN_CATEGORIES), None)
+        if forbidden is None:
+            name = unicodedata.normalize("NFC", name)
+    if forbidden is not None:
+        raise ValueError(
+            "Lock name must not contain control or format characters or lone surrogates; found "
+            f"{forbidden!r} (U+{ord(forbidden):04X}) in {name!r}."
+        )
     if len(name) > MAX_NAME_LENGTH:
         raise ValueError(f"Lock name must be at most {MAX_NAME_LENGTH} characters, got {len(name)}.")
-    forbidden = _FORBIDDEN_IN_NAMES.search(name)
-    if forbidden:
-        raise ValueError(
-            f"Lock name must not contain control characters or lone surrogates; found {forbidden[0]!r} in {name!r}."
-        )
     return name
 
 

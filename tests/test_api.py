@@ -30,7 +30,7 @@ def test_locks_returns_one_backend_per_alias_and_is_thread_safe():
     assert len({id(backend) for backend in seen}) == 1
 
 
-def test_names_are_refused_for_exactly_the_control_characters_and_lone_surrogates():
+def test_names_are_refused_for_exactly_the_control_and_format_characters_and_lone_surrogates():
     refused = []
     for code_point in range(sys.maxunicode + 1):
         try:
@@ -38,7 +38,28 @@ def test_names_are_refused_for_exactly_the_control_characters_and_lone_surrogate
         except ValueError:
             refused.append(code_point)
     assert refused == [code_point for code_point in range(sys.maxunicode + 1)
-                       if unicodedata.category(chr(code_point)) in ("Cc", "Cs")]
+                       if unicodedata.category(chr(code_point)) in ("Cc", "Cf", "Cs")]
+
+
+@pytest.mark.parametrize("spoof", ["invoice:\u202e1234", "invoice:\u200b1234", "invoice:1234\u2060"])
+def test_names_with_invisible_format_characters_are_refused(spoof):
+    with pytest.raises(ValueError, match="format characters"):
+        distlock.acquire(spoof, ttl=5, using="locmem")
+
+
+@pytest.mark.django_db(transaction=True, databases="__all__")
+def test_one_name_spelled_composed_or_decomposed_is_one_lock(backend_alias):
+    composed, decomposed = "caf\u00e9:order", "cafe\u0301:order"
+    lease = distlock.acquire(composed, ttl=5, blocking=False, using=backend_alias)
+    try:
+        assert lease.name == composed
+        with pytest.raises(distlock.LockNotAcquired):
+            distlock.acquire(decomposed, ttl=5, blocking=False, using=backend_alias)
+        with pytest.raises(distlock.LockNotAcquired), distlock.lock(decomposed, ttl=5, blocking=False,
+                                                                   using=backend_alias):
+            pass
+    finally:
+        lease.release()
 
 
 def test_the_holder_record_follows_the_celery_task_and_a_fork(monkeypatch):
