@@ -2,6 +2,7 @@
 
 import json
 import os
+import subprocess
 import socket
 import sys
 import threading
@@ -15,6 +16,7 @@ from distlock import holder
 from distlock.handler import LockHandler, locks
 from distlock.renewal import Renewer
 from distlock.validation import validate_name
+from tests.workers import ROOT
 
 ALIAS = "locmem"
 
@@ -192,3 +194,14 @@ def test_the_first_extension_is_due_a_third_of_the_ttl_after_the_acquire_request
     clock.now = lease._started + 2
     assert renewer._next_wait() == 0
     lease.release()
+
+
+def test_locmem_tokens_keep_growing_in_a_new_process():
+    """A process's counter starts afresh; its tokens must still exceed those of the process before."""
+    before = distlock.acquire("restart", ttl=5, using="locmem")
+    before.release()
+    code = ("import django, os; os.environ['DJANGO_SETTINGS_MODULE'] = 'tests.settings'; django.setup(); "
+            "import distlock; lease = distlock.acquire('restart', ttl=5, using='locmem'); print(lease.token)")
+    after = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                               cwd=ROOT).stdout)
+    assert after > before.token

@@ -31,7 +31,12 @@ class _Store:
 
 
 class LocMemBackend(BaseLockBackend):
-    """Locks in a dict of this process; tokens from a per-alias counter that only grows."""
+    """Locks in a dict of this process; tokens from a per-alias counter that only grows.
+
+    Each token is also at least the machine's clock in microseconds (as on SQLite), so tokens keep
+    growing across a restart of the process, or from one test process to the next: fenced rows in a
+    shared database then refuse an older process's holders, not every holder of a newer process.
+    """
 
     capabilities = frozenset({SAFE_FENCING_TOKENS, NOTIFICATIONS})
 
@@ -54,7 +59,7 @@ class LocMemBackend(BaseLockBackend):
             now = time.monotonic()
             if self._live(name, now) is not None:
                 return None
-            store.last_token += 1
+            store.last_token = max(store.last_token + 1, time.time_ns() // 1000)
             holder = current_holder()
             grant = Grant(token=store.last_token)
             store.locks[name] = _Record(owner, store.last_token, now + ttl, LockInfo(
