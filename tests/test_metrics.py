@@ -170,6 +170,23 @@ def test_a_failed_flush_keeps_the_counts(alias, django_db_blocker):
     assert report.summarize(900, alias=alias).rows[0].acquired == 1
 
 
+def test_counts_kept_through_a_long_outage_fold_into_the_totals_instead_of_growing(settings, alias,
+                                                                                   django_db_blocker):
+    settings.DISTLOCK_METRICS = {"HISTORY": 3600}
+    now = [1_000_000_000.0]
+    recorder = Recorder(clock=lambda: now[0])
+    with django_db_blocker.block():
+        for _ in range(5):  # five hours of minutes, the store down all along
+            acquire_n(recorder, alias, "job:1", 1)
+            with pytest.raises(RuntimeError, match="Database access not allowed"):
+                recorder.flush()
+            now[0] += 3600
+    periods = {key[0] for key in recorder.pending()}
+    assert periods == {0, int((now[0] - 3600) // PERIOD) * PERIOD}, "only HISTORY's minutes, plus the totals"
+    recorder.flush()
+    assert report.summarize(None, alias=alias).rows[0].attempts == 5
+
+
 def test_recording_can_be_switched_off(settings, alias):
     settings.DISTLOCK_METRICS = {"ENABLED": False}
     recorder = Recorder()

@@ -121,6 +121,18 @@ def _bucket_counts(bounds, durations, low, high, per=1):
     return counts
 
 
+def _folded(rows, *, before):
+    """Return ``rows`` with the minutes starting before ``before`` moved into period 0, as the store folds.
+
+    While the store is down the pending counts keep at most ``HISTORY`` worth of minutes, plus the
+    since-start totals, instead of growing with every minute of the outage.
+    """
+    folded = Counter()
+    for (period, *rest), count in rows.items():
+        folded[(0 if 0 < period < before else period, *rest)] += count
+    return folded
+
+
 class Recorder:
     """Collect this process's lock events and add them to the shared store in batches.
 
@@ -313,7 +325,7 @@ class Recorder:
             store.add(rows, using=settings.database)
         except BaseException:
             with self._lock:
-                self._pending.update(rows)
+                self._pending.update(_folded(rows, before=self._clock() - settings.history))
             raise
         if self._last_fold is None or time.monotonic() - self._last_fold >= FOLD_INTERVAL:
             store.fold(before=self._clock() - settings.history, using=settings.database)
