@@ -1,6 +1,7 @@
 """System checks for ``settings.DISTLOCK``; they do no network I/O, so they pass while servers are down."""
 
-from django.core.checks import Error
+from django.conf import settings
+from django.core.checks import Error, Warning  # noqa: A004 - Django's name
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
@@ -13,6 +14,7 @@ E002 = "distlock.E002"  # an alias entry is not a dict with BACKEND
 E003 = "distlock.E003"  # BACKEND cannot be imported or is not a lock backend
 E004 = "distlock.E004"  # an option is missing, unknown, or invalid
 E005 = "distlock.E005"  # two aliases keep keys under one prefix of one server
+W001 = "distlock.W001"  # a backend that can be secured is not (shown with DEBUG off)
 
 
 def check_distlock_setting(app_configs=None, **kwargs):
@@ -54,6 +56,9 @@ def check_distlock_setting(app_configs=None, **kwargs):
         except ImproperlyConfigured as exc:
             errors.append(Error(str(exc), id=E004))
             continue
+        if not settings.DEBUG:
+            errors.extend(Warning(f"DISTLOCK['{alias}']: {message}", id=W001)
+                          for message in backend_cls.security_warnings(alias, options))
         for space in backend_cls.key_spaces(alias, options):
             other = owners.setdefault(space, alias)
             if other != alias and (alias, other) not in reported:

@@ -205,6 +205,14 @@ class BaseLockBackend:
         """Raise ``ImproperlyConfigured`` for options that are fine alone but not together."""
 
     @classmethod
+    def security_warnings(cls, alias, options):
+        """Return what is left open in this alias's cleaned options (no TLS, no credentials); no I/O.
+
+        The system checks show each as ``distlock.W001`` when ``DEBUG`` is off.
+        """
+        return []
+
+    @classmethod
     def key_spaces(cls, alias, options):
         """Return the (server, key prefix) pairs this alias keeps its keys in, from cleaned options (no I/O).
 
