@@ -159,7 +159,115 @@ def try_hammer(alias, name, ready_path, recipe="distlock", threads=20, seconds=8
         client.close()
 
 
-SCENARIOS = {"hammer": hammer, "hold": hold, "hold_then_check": hold_then_check, "try_hammer": try_hammer}
+def interrupt_storm(alias, prefix, operations, ttl, names=4, max_interval_ms=None, seed=None):  # noqa: C901
+    """Non-blocking acquires and releases of ``names`` locks, each call with ``SIGALRM`` armed to raise at a
+    random point within ``max_interval_ms`` (what Celery's soft time limit does), ``operations`` times.
+    By default the interval starts at twice the median call time measured first, then follows the calls:
+    it grows by 5% after each interrupted call and shrinks by 5% after each completed one, so interrupts
+    land all over the calls and about half of them complete, however loaded the machine is.
+
+    Then release what is known held, report the counts and the monotonic time, and on a line from
+    stdin show the alias still works: every name acquired (non-blocking) and released again. The
+    process stays alive in between, so its session (and anything leaked under it) stays too.
+    """
+    import random  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+
+    import distlock  # noqa: PLC0415
+
+    class Interrupted(Exception):  # noqa: N818 - named after what happened
+        pass
+
+    def interrupt(signum, frame):
+        raise Interrupted()
+
+    rng = random.Random(seed)
+    distlock.acquire(f"{prefix}:warm-up", ttl=ttl, timeout=30, using=alias).release()  # connect first
+    adapt = max_interval_ms is None
+    if adapt:  # aim at the calls: start at twice the median time of an acquire or release
+        timings = []
+        for _ in range(20):
+            started = time.monotonic()
+            lease = distlock.acquire(f"{prefix}:warm-up", ttl=ttl, blocking=False, using=alias)
+            timings.append(time.monotonic() - started)
+            started = time.monotonic()
+            lease.release()
+            timings.append(time.monotonic() - started)
+        max_interval_ms = 2000 * sorted(timings)[len(timings) // 2]
+    signal.signal(signal.SIGALRM, interrupt)
+    held, counts = {}, {"granted": 0, "refused": 0, "released": 0, "interrupted": 0, "errors": []}
+    for _ in range(operations):
+        interrupted_before = counts["interrupted"]
+        try:
+            name = f"{prefix}:{rng.randrange(names)}"
+            try:
+                signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0001, max_interval_ms / 1000))
+                if name in held:
+                    lease = held.pop(name)
+                    lease.release()
+                    counts["released"] += 1
+                else:
+                    held[name] = distlock.acquire(name, ttl=ttl, blocking=False, using=alias)
+                    counts["granted"] += 1
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except Interrupted:
+            counts["interrupted"] += 1
+        except distlock.LockNotAcquired:
+            counts["refused"] += 1
+        except Exception as exc:  # noqa: BLE001 - reported, and the test fails on it
+            counts["errors"].append(repr(exc))
+        if adapt:
+            max_interval_ms *= 1.05 if counts["interrupted"] > interrupted_before else 0.95
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    for lease in held.values():
+        lease.release()
+    emit(storm=counts, end=time.monotonic(), pid=os.getpid(), max_interval_ms=max_interval_ms)
+    sys.stdin.readline()
+    usable = []
+    for i in range(names):
+        lease = distlock.acquire(f"{prefix}:{i}", ttl=ttl, blocking=False, using=alias)
+        usable.append(lease.release())
+    emit(usable=usable)
+
+
+def green_cycles(alias, prefix, threads=10, cycles=60, hot_names=3):
+    """In a process monkey-patched by gevent or eventlet (see ``tests.backends.test_zookeeper``):
+    ``threads`` green threads each take and give back one of ``hot_names`` locks ``cycles`` times.
+
+    Reports the kazoo handler in use, every error, what is still held under ``prefix``, and that the
+    alias closed.
+    """
+    import threading  # noqa: PLC0415 - patched by now: these are green threads
+
+    import distlock  # noqa: PLC0415
+    from distlock.handler import locks  # noqa: PLC0415
+
+    backend = locks[alias]
+    counts, errors = {"cycles": 0}, []
+
+    def run(i):
+        for n in range(cycles):
+            try:
+                with distlock.lock(f"{prefix}:{(i + n) % hot_names}", ttl=10, timeout=30, using=alias):
+                    counts["cycles"] += 1
+            except Exception as exc:  # noqa: BLE001 - reported, and the test fails on it
+                errors.append(repr(exc))
+
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    emit(handler=type(backend._client.handler).__name__, cycles=counts["cycles"], errors=errors[:20],
+         error_count=len(errors), held=[info.name for info in backend.held_locks(prefix)])
+    backend.close()
+    emit(closed=True)
+
+
+SCENARIOS = {"hammer": hammer, "hold": hold, "hold_then_check": hold_then_check, "try_hammer": try_hammer,
+             "interrupt_storm": interrupt_storm, "green_cycles": green_cycles}
 
 
 def run(scenarios):

@@ -1,9 +1,35 @@
-"""ZooKeeper locks (kazoo): ephemeral sequential znodes, the holder's czxid as fencing token, session-aware leases."""
+"""ZooKeeper locks (kazoo): ephemeral sequential znodes, the holder's czxid as fencing token, session-aware leases.
+
+Interrupts. kazoo is not safe against exceptions raised asynchronously on the thread that calls it: a
+signal handler that raises (Celery's soft time limit, gunicorn's worker handlers, any ``SIGALRM``
+handler) between two of its lines can leave its request queue, its reply conditions or its locks
+half-updated, hanging every later call of the process, or leave a granted znode that nobody will
+release. Python runs signal handlers on the main thread only, so operations called on the main thread
+of a process with such a handler installed (``signals_can_raise()``: any Python-level handler but the
+default ``SIGINT`` one) never run kazoo there: each is handed to a runner thread (``_ThreadRunner``) through a C ``SimpleQueue`` (a ``put`` that
+never blocks and takes no Python-level lock), and the caller waits on a plain lock, whose acquisition
+an exception can interrupt without leaving anything taken. An interrupted caller hands a clean-up to
+the runner: it cancels the operation (a blocking acquire stops waiting and withdraws its node) and, once
+the operation ends, gives back whatever it was granted (the node is deleted). An interrupted release,
+extension or listing simply runs to its end. Every grant is registered with the ttl timer on the runner
+before it is handed over, so even an interrupt after the hand-over frees the lock at its ttl. Calls from
+other threads run inline (no signal reaches them). Under gevent or eventlet (detected when the alias is
+built: ``is_module_patched("socket")`` / ``is_monkey_patched("socket")``) kazoo gets its own sequential
+gevent/eventlet handler, with retry objects built for its sleep function, and every operation runs in
+its own green thread: a ``Timeout`` raised in the caller's green thread (a task's hard time limit) is
+handled the same way. (Deferring signals with ``pthread_sigmask`` was the alternative; it only works on
+the main thread, cannot cover kazoo's blocking waits without delaying the time limit itself, and does
+nothing for green ``Timeout``s.)
+"""
 
 import heapq
 import json
+import logging
+import math
+import os
 import queue
 import re
+import signal
 import threading
 import time
 import weakref
@@ -24,11 +50,13 @@ from kazoo.exceptions import (
     RolledBackError,
     RuntimeInconsistency,
     SessionExpiredError,
+    SessionMovedError,
 )
-from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.handlers.threading import KazooTimeoutError, SequentialThreadingHandler
 from kazoo.protocol.connection import ConnectionHandler
 from kazoo.protocol.serialization import Connect
 from kazoo.protocol.states import EventType
+from kazoo.retry import KazooRetry
 
 from distlock.backends.base import (
     NOTIFICATIONS,
@@ -44,6 +72,8 @@ from distlock.backends.base import (
 )
 from distlock.exceptions import BackendUnavailable, LockNotAcquired
 from distlock.holder import holder_record, new_owner
+
+logger = logging.getLogger("distlock.backends.zookeeper")
 
 # -- Znode layout and protocol ---------------------------------------------------------------------
 #
@@ -122,11 +152,19 @@ from distlock.holder import holder_record, new_owner
 #     so tokens keep their order across the alias for tries too; sessions, SUSPENDED and LOST are
 #     untouched. The node format is unchanged: a process of the previous version sees a try's node
 #     as the plain node it is, and its own tries' nodes are plain nodes this version fails on.
+# - Foreign children. The protocol counts only children whose name parses (owner, kind, and a
+#   sequence of digits: never negative) and that are ephemeral. Anything else under a lock's parent
+#   (a persistent node planted by hand or by a hostile client, say "x-write--000000001", which would
+#   sort first and block the lock forever) is ignored: names by the pattern, persistence by the stat
+#   of the node a contender would wait for or fail on (read once, remembered), and by the holder's
+#   stat in ``held_locks()``. ``foreign_nodes()`` reports them, for ``distlock check``.
 
 ROOT_DEFAULT = "/distlock"
 WRITE, READ = "write", "read"
 
-_NODE_NAME = re.compile(r"^(?P<owner>[^-]+)-(?P<kind>read|write)-(?P<sequence>-?\d+)$")
+#: A contender's node name. ZooKeeper's sequence suffix is 10 digits and never negative in a parent
+#: (parents are deleted when empty, long before 2**31 creates): a "-" sequence is planted, not ours.
+_NODE_NAME = re.compile(r"^(?P<owner>[^-]+)-(?P<kind>read|write)-(?P<sequence>\d+)$")
 
 #: Seconds a request may outlast the caller's timeout: a non-blocking attempt (timeout 0) still needs
 #: one round trip. So a caller's timeout is honoured to within this when the ensemble does not answer.
@@ -141,6 +179,36 @@ CROWDED_NAMES = 1024
 #: How many multis of a try may make nothing (see "Tries" above) before it creates its node
 #: unconditionally, as a waiter does, and lets the listing behind it decide.
 TRY_ROUNDS = 3
+
+#: kazoo sends the session timeout as a signed 32-bit number of milliseconds; a larger one kills its
+#: connection thread (struct.error) and the alias never connects.
+MAX_SESSION_TIMEOUT = (2**31 - 1) / 1000
+
+#: How many znodes a backend remembers as checked ephemeral (the protocol ignores persistent ones).
+CHECKED_NODES = 4096
+
+#: Idle runner threads kept per backend for main-thread callers (see "Interrupts" above).
+IDLE_RUNNERS = 2
+
+_UNKNOWN = object()
+
+_SIGNALS = tuple(signal.valid_signals())
+
+
+def signals_can_raise():
+    """Return True if a Python-level signal handler is installed, other than the default ``SIGINT`` one.
+
+    Only such a handler can raise between two lines of kazoo (a Celery pool child's soft time limit,
+    gunicorn's worker handlers, a ``SIGALRM`` timeout). Ctrl-C's ``KeyboardInterrupt`` ends the
+    process in practice, and handing every call over costs a thread switch each way (a third of the
+    throughput of uncontended acquire+release on a busy 2-core machine), so it is left out. One C call
+    per signal: a few microseconds.
+    """
+    for signum in _SIGNALS:
+        handler = signal.getsignal(signum)
+        if callable(handler) and handler is not signal.default_int_handler:
+            return True
+    return False
 
 
 def encode_name(name):
@@ -206,6 +274,44 @@ def holders_of(children):
     return holders
 
 
+def _valid_session_timeout(value):
+    problem = positive_number(value)
+    if problem is None and value > MAX_SESSION_TIMEOUT:
+        problem = (f"must be at most {MAX_SESSION_TIMEOUT} seconds (2**31-1 milliseconds: kazoo sends it as a "
+                   "32-bit number, and the server caps it at 20 ticks anyway)")
+    return problem
+
+
+def green_library():
+    """Return "gevent" or "eventlet" if that library monkey-patched ``socket`` in this process, else None."""
+    import sys  # noqa: PLC0415
+
+    if "gevent" in sys.modules:
+        from gevent import monkey  # noqa: PLC0415
+
+        if monkey.is_module_patched("socket"):
+            return "gevent"
+    if "eventlet" in sys.modules:
+        from eventlet import patcher  # noqa: PLC0415
+
+        if patcher.is_monkey_patched("socket"):
+            return "eventlet"
+    return None
+
+
+def _kazoo_handler(green):
+    """Return kazoo's handler for this process: its gevent or eventlet one under that library's patching."""
+    if green == "gevent":
+        from kazoo.handlers.gevent import SequentialGeventHandler  # noqa: PLC0415
+
+        return SequentialGeventHandler()
+    if green == "eventlet":
+        from kazoo.handlers.eventlet import SequentialEventletHandler  # noqa: PLC0415
+
+        return SequentialEventletHandler()
+    return SequentialThreadingHandler()
+
+
 def _valid_hosts(value):
     if not value.strip() or any(not host.strip() for host in value.split(",")):
         return 'must list the ensemble as "host:port,host:port,..."'
@@ -222,20 +328,176 @@ def _valid_root(value):
 
 
 class _NegotiatingConnection(ConnectionHandler):
-    """kazoo's connection handler, remembering the session timeout the server negotiated.
+    """kazoo's connection handler, remembering the negotiated session timeout and the last proof of life.
 
-    kazoo reads it from the Connect reply but keeps it in a local variable; ``lease.session_timeout``
+    kazoo reads the timeout from the Connect reply but keeps it in a local variable; ``lease.session_timeout``
     must report it, because the server frees a dead holder's lock after that time, not after the
     one asked for (the server clamps it between 2 and 20 ticks). Pinned by test_zookeeper.py.
+
+    ``last_answered_sent`` is when the newest request (or ping, or the Connect) that the server has
+    answered was sent (monotonic): the server touched the session after that, so it expires no sooner
+    than that plus the negotiated timeout. ``session_valid_until`` is bounded by it, so a holder frozen
+    past its session fails ``check()`` the moment it wakes, before kazoo's thread hears of the expiry.
+    Only kazoo's connection thread writes these; readers see whole floats.
     """
 
     negotiated_timeout = None
+    last_answered_sent = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._sent_at = {}  # xid -> when it was sent (pings share one xid, one at a time)
 
     def _invoke(self, timeout, request, xid=None):
+        sent = time.monotonic()
+        if isinstance(request, Connect):
+            self._sent_at.clear()  # a new connection: nothing sent on the old one will be answered
         result = super()._invoke(timeout, request, xid)
         if isinstance(request, Connect):
             self.negotiated_timeout = result[0].time_out / 1000
+            self.last_answered_sent = sent
         return result
+
+    def _submit(self, request, timeout, xid=None):
+        if xid is not None:
+            self._sent_at[xid] = time.monotonic()
+        return super()._submit(request, timeout, xid)
+
+    def _read_header(self, timeout):
+        header, buffer, offset = super()._read_header(timeout)
+        sent = self._sent_at.pop(header.xid, None)
+        if sent is not None and header.err not in (SessionExpiredError.code, SessionMovedError.code):
+            if self.last_answered_sent is None or sent > self.last_answered_sent:
+                self.last_answered_sent = sent
+        return header, buffer, offset
+
+
+class _Abandoned(Exception):
+    """The caller of this operation was interrupted and went away: stop, withdrawing what was queued."""
+
+
+class _Job:
+    """One backend operation run for a caller; ``cancelled`` and ``wake`` let a clean-up stop its waits."""
+
+    def __init__(self, fn, *, caller_lock=False):
+        self.fn = fn
+        self.value = self.error = None
+        self.cancelled = False
+        #: The Event a blocking acquire waits on, set by ``cancel()``.
+        self.wake = None
+        #: Set once the runner took the job (runner threads only): a job never taken has nothing to undo.
+        self.dispatched = False
+        #: Set when the job has ended (runner threads wait on it; green callers too).
+        self.finished = threading.Event()
+        #: Thread mode: released when the job has ended. The caller waits by acquiring it: an exception
+        #: can interrupt that acquisition without leaving anything taken, unlike a Condition's wait.
+        self.done = None
+        if caller_lock:
+            self.done = threading.Lock()
+            self.done.acquire()
+
+    def run(self):
+        try:
+            self.value = self.fn(self)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, who re-raises it
+            self.error = exc
+        finally:
+            self.finished.set()
+            if self.done is not None:
+                self.done.release()
+
+    def cancel(self):
+        self.cancelled = True
+        wake = self.wake
+        if wake is not None:
+            wake.set()
+
+
+class _Inline:
+    """The job of an operation run on the caller's own thread: never cancelled."""
+
+    cancelled = False
+    wake = None
+
+
+class _ThreadRunner:
+    """Run main-thread callers' operations on threads that no signal handler can interrupt.
+
+    Callers only ``put`` into a C ``SimpleQueue``; the dispatcher hands each job to an idle worker or
+    starts one. Jobs are dispatched in order, so a clean-up submitted after its job knows for sure
+    whether the job was ever taken (``dispatched``).
+    """
+
+    def __init__(self, name):
+        self.pid = os.getpid()
+        self._name = name
+        self._jobs = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = []  # inboxes of idle workers
+        self._stopped = False
+        self._count = 0
+        threading.Thread(target=self._dispatch, name=f"{name}:dispatch", daemon=True).start()
+
+    def submit(self, job):
+        self._jobs.put(job)
+
+    def stop(self):
+        self._jobs.put(None)
+
+    def _dispatch(self):
+        while True:
+            job = self._jobs.get()
+            with self._lock:
+                if job is None:
+                    self._stopped = True
+                    idle, self._idle = self._idle, []
+                else:
+                    inbox = self._idle.pop() if self._idle else None
+            if job is None:
+                for inbox in idle:
+                    inbox.put(None)
+                return
+            job.dispatched = True
+            if inbox is None:
+                inbox = queue.SimpleQueue()
+                self._count += 1
+                threading.Thread(target=self._work, args=(inbox,), name=f"{self._name}:{self._count}",
+                                 daemon=True).start()
+            inbox.put(job)
+
+    def _work(self, inbox):
+        while True:
+            job = inbox.get()
+            if job is None:
+                return
+            job.run()
+            job = None
+            with self._lock:
+                if self._stopped or len(self._idle) >= IDLE_RUNNERS:
+                    return
+                self._idle.append(inbox)
+
+
+class _GreenRunner:
+    """Run every operation in a green thread of its own: a ``Timeout`` in the caller's cannot cut it short."""
+
+    def __init__(self, library):
+        self.pid = os.getpid()
+        if library == "gevent":
+            import gevent  # noqa: PLC0415
+
+            self._spawn = gevent.spawn
+        else:
+            import eventlet  # noqa: PLC0415
+
+            self._spawn = eventlet.spawn
+
+    def submit(self, job):
+        job.dispatched = True  # spawning does not yield: no green Timeout can land in between
+        self._spawn(job.run)
+
+    def stop(self):
+        pass
 
 
 class _Contender:
@@ -348,7 +610,10 @@ class _ExpiryTimer:
                     self._changed.wait(wait)
                     continue
             for path in due:
-                self._expire(path)
+                try:
+                    self._expire(path)
+                except BaseException:  # noqa: BLE001 - the timer must outlive any one failure
+                    logger.exception("Deleting the expired znode %s failed; the timer carries on.", path)
 
 
 class ZooKeeperBackend(BaseLockBackend):
@@ -365,7 +630,11 @@ class ZooKeeperBackend(BaseLockBackend):
     - LOST, "the connection has been confirmed dead ... locks ... can be considered lost": held leases
       are marked lost and ``lock_lost`` is sent. So are leases whose connection stayed suspended longer
       than the session timeout: the server has expired the session by then, even if this client
-      cannot reach a server to hear it.
+      cannot reach a server to hear it. Every affected lease fails ``check()`` before the first
+      ``lock_lost`` is sent, and the thread that sends them logs a receiver's exception and goes on.
+    - Between state changes, ``check()`` is bounded by the session: a lease is lost once the
+      negotiated timeout has passed since the newest answered request or ping was *sent*, whether or
+      not kazoo's thread has run since (a holder frozen past its session finds out when it wakes).
 
     ``ttl`` keeps its meaning: this process deletes the znode when it runs out unless extended. A
     holder that dies or hangs is freed by the server only when its session expires,
@@ -380,7 +649,7 @@ class ZooKeeperBackend(BaseLockBackend):
         "HOSTS": Option(str, required=True, check=_valid_hosts,
                         expected='the ensemble as "host:port,host:port,..."'),
         "ROOT": Option(str, ROOT_DEFAULT, check=_valid_root, expected='an absolute znode path such as "/distlock"'),
-        "SESSION_TIMEOUT": Option((int, float), 10, check=positive_number, expected="a number of seconds"),
+        "SESSION_TIMEOUT": Option((int, float), 10, check=_valid_session_timeout, expected="a number of seconds"),
         "CONNECTION_TIMEOUT": Option((int, float), 5, check=positive_number, expected="a number of seconds"),
     }
 
@@ -401,7 +670,15 @@ class ZooKeeperBackend(BaseLockBackend):
         self._session_epoch = 0
         self._expiry = None
         self._states = None
+        self._queue_empty = queue.Empty
         self._state_thread = None
+        #: Lease -> the session epoch it was granted in; None once marked lost (``session_valid_until``).
+        self._lease_epochs = weakref.WeakKeyDictionary()
+        #: Znode paths seen to be ephemeral: the protocol ignores persistent (planted) children.
+        self._checked_ephemeral = {}
+        #: "gevent" or "eventlet" if this process is monkey-patched by it: kazoo gets that library's handler.
+        self._green = green_library()
+        self._runner = None
 
     # -- the client and its connection states ------------------------------------------------------
 
@@ -418,11 +695,18 @@ class ZooKeeperBackend(BaseLockBackend):
     def _start_client(self):
         with self._client_lock:
             if self._client is None:
+                handler = _kazoo_handler(self._green)
+                # A dict would make kazoo build a retry with the threading sleep, which it then refuses
+                # next to a gevent or eventlet handler.
                 client = KazooClient(hosts=self.settings["HOSTS"], timeout=self.settings["SESSION_TIMEOUT"],
-                                     connection_retry=RECONNECT)
+                                     handler=handler,
+                                     connection_retry=KazooRetry(sleep_func=handler.sleep_func, **RECONNECT),
+                                     command_retry=KazooRetry(sleep_func=handler.sleep_func))
                 client._connection = _NegotiatingConnection(client, client._conn_retry.copy(), logger=client.logger)
                 self._expiry = _ExpiryTimer(self._expire, name=f"distlock-zk-expiry:{self.alias}")
-                self._states = queue.SimpleQueue()
+                # A C SimpleQueue would block the whole hub of a green process in the state thread's get().
+                self._states = handler.queue_impl() if self._green else queue.SimpleQueue()
+                self._queue_empty = handler.queue_empty if self._green else queue.Empty
                 self._state_thread = threading.Thread(target=self._follow_states, args=(client, self._states),
                                                       name=f"distlock-zk-states:{self.alias}", daemon=True)
                 self._state_thread.start()
@@ -436,6 +720,84 @@ class ZooKeeperBackend(BaseLockBackend):
         """Seconds after which the server expires this client's session if it stops heartbeating."""
         connection = self._client and self._client._connection
         return (connection and connection.negotiated_timeout) or self.settings["SESSION_TIMEOUT"]
+
+    def session_valid_until(self, lease):
+        """Return when ``lease``'s session may have expired on the server: fail closed (``check()`` calls it).
+
+        -inf once the lease is marked lost or its session ended (LOST); else the negotiated timeout
+        after the newest answered request or ping was sent. Lock-free and local.
+        """
+        epoch = self._lease_epochs.get(lease, _UNKNOWN)
+        if epoch is _UNKNOWN:
+            return None  # not granted by this backend
+        client = self._client
+        connection = client and client._connection
+        answered = connection and connection.last_answered_sent
+        if epoch is None or epoch != self._session_epoch or answered is None:
+            return -math.inf
+        return answered + (connection.negotiated_timeout or self.settings["SESSION_TIMEOUT"])
+
+    def _mark_dead(self, leases):
+        """Make every one of ``leases`` fail ``check()`` at once, before any ``lock_lost`` is sent."""
+        for lease in leases:
+            self._lease_epochs[lease] = None
+
+    def _announce_lost(self, leases, reason):
+        """Mark each lease lost and send ``lock_lost``: a receiver that raises stops neither the rest nor us."""
+        for lease in leases:
+            try:
+                lease.mark_lost(reason)
+            except BaseException:  # noqa: BLE001 - a backend thread must outlive any receiver
+                logger.exception("Reporting the loss of lock %r (alias %r) raised; the other leases are "
+                                 "reported and the ZooKeeper state thread carries on.", lease.name, self.alias)
+
+    # -- running operations out of reach of signal handlers (see "Interrupts" above) ---------------------
+
+    def _call(self, fn, *, abandon=None):
+        """Return ``fn(job)``, run where no exception raised asynchronously in the caller can cut it short.
+
+        ``abandon(value)`` gives back what ``fn`` returned if the caller is interrupted and cannot take it.
+        """
+        if self._green is None and (threading.current_thread() is not threading.main_thread()
+                                    or not signals_can_raise()):
+            return fn(_Inline())
+        runner = self._runner
+        if runner is None or runner.pid != os.getpid():
+            runner = self._runner = (_GreenRunner(self._green) if self._green
+                                     else _ThreadRunner(f"distlock-zk-runner:{self.alias}"))
+        job = _Job(fn, caller_lock=self._green is None)
+        try:
+            runner.submit(job)
+            if job.done is not None:
+                job.done.acquire()
+            else:
+                job.finished.wait()
+            if job.error is None:
+                return job.value
+        except BaseException:
+            runner.submit(_Job(partial(self._after_abandoned, job, abandon)))
+            raise
+        error, job.error = job.error, None
+        raise error
+
+    def _after_abandoned(self, job, abandon, _cleanup_job):
+        """Runner: stop an operation whose caller was interrupted, then give back what it was granted."""
+        job.cancel()
+        if not job.dispatched:
+            return  # never started
+        job.finished.wait()
+        if job.error is None and job.value is not None and abandon is not None:
+            try:
+                abandon(job.value)
+            except BaseException:  # noqa: BLE001 - on a runner thread, nobody else would see it
+                logger.exception("Giving back what an interrupted call on alias %r was granted failed.", self.alias)
+
+    def _give_back(self, lease):
+        """Release a lease granted to a caller that was interrupted before it could take it."""
+        logger.info("Releasing lock %r (alias %r, token %s): the call that acquired it was interrupted.",
+                    lease.name, self.alias, lease.token)
+        self._mark_dead([lease])
+        self._release(lease)
 
     def _on_state(self, state):
         """Run in kazoo's connection thread: flag leases and wake waiters, hand everything else off."""
@@ -455,40 +817,49 @@ class ZooKeeperBackend(BaseLockBackend):
         self._states.put(state)
 
     def _follow_states(self, client, states):
-        """React to connection states off kazoo's thread, where blocking requests are allowed."""
+        """React to connection states off kazoo's thread, where blocking requests are allowed.
+
+        Runs for the life of the client: anything that raises while handling one state (a receiver,
+        a request) is logged, and the next state is followed all the same.
+        """
         suspended_since = None
         while True:
-            wait = None
-            if suspended_since is not None:
-                wait = max(suspended_since + self.session_timeout - time.monotonic(), 0)
             try:
-                state = states.get(timeout=wait)
-            except queue.Empty:
-                suspended_since = None
-                self._lose_all(f"the connection stayed suspended longer than the session timeout "
-                               f"({self.session_timeout:g}s), so the server has expired the session")
-                continue
-            if state is None:
-                return
-            if state == KazooState.SUSPENDED:
-                suspended_since = suspended_since or time.monotonic()
-            elif state == KazooState.LOST:
-                suspended_since = None
-                self._lose_all("the ZooKeeper session expired (its ephemeral znodes are gone)")
-            else:
-                suspended_since = None
-                self._revalidate(client)
-                self._sweep_litter(client)
+                wait = None
+                if suspended_since is not None:
+                    wait = max(suspended_since + self.session_timeout - time.monotonic(), 0)
+                try:
+                    state = states.get(timeout=wait)
+                except self._queue_empty:
+                    suspended_since = None
+                    self._lose_all(f"the connection stayed suspended longer than the session timeout "
+                                   f"({self.session_timeout:g}s), so the server has expired the session")
+                    continue
+                if state is None:
+                    return
+                if state == KazooState.SUSPENDED:
+                    suspended_since = suspended_since or time.monotonic()
+                elif state == KazooState.LOST:
+                    suspended_since = None
+                    self._lose_all("the ZooKeeper session expired (its ephemeral znodes are gone)")
+                else:
+                    suspended_since = None
+                    self._revalidate(client)
+                    self._sweep_litter(client)
+            except BaseException:  # noqa: BLE001 - loss detection must outlive any one failure
+                logger.exception("Following the ZooKeeper connection state of alias %r raised; carrying on.",
+                                 self.alias)
 
     def _lose_all(self, reason):
         with self._registry_lock:
             leases = list(self._held.values())
             self._held.clear()
+            self._mark_dead(leases)
             # If the session survives after all, its nodes must not block others: delete them on reconnect.
             self._litter.update((lease.handle.rsplit("/", 1)[0], None, lease.handle) for lease in leases)
         for lease in leases:
             self._expiry.cancel(lease.handle)
-            lease.mark_lost(reason)
+        self._announce_lost(leases, reason)
 
     def _revalidate(self, client):
         """After a reconnection within the session: unsuspend leases whose znode is still ours."""
@@ -499,6 +870,7 @@ class ZooKeeperBackend(BaseLockBackend):
         replies = [(lease, client.exists_async(lease.handle)) for lease in suspended]
         session_id = (client.client_id or (None,))[0]
         io_deadline = self._io_deadline(None)
+        gone = []
         for lease, reply in replies:
             try:
                 stat = self._result(reply, io_deadline)
@@ -510,8 +882,11 @@ class ZooKeeperBackend(BaseLockBackend):
                     if self._connected.is_set():
                         lease.mark_suspended(False)
             else:
-                self._forget(lease.handle)
-                lease.mark_lost("its znode was gone when the connection came back")
+                self._mark_dead([lease])
+                gone.append(lease)
+        for lease in gone:
+            self._forget(lease.handle)
+        self._announce_lost(gone, "its znode was gone when the connection came back")
 
     def _sweep_litter(self, client):
         with self._registry_lock:
@@ -547,13 +922,15 @@ class ZooKeeperBackend(BaseLockBackend):
 
     def _result(self, reply, io_deadline):
         """Return a request's result, raising its kazoo error; ``BackendUnavailable`` if it is late."""
-        try:
-            return reply.get(timeout=max(io_deadline - time.monotonic(), 0))
-        except KazooTimeoutError as exc:
+        # wait() then ready(): each handler's get() raises its own kind of timeout (gevent's is a
+        # gevent.Timeout, which must never be confused with a caller's own time limit).
+        reply.wait(max(io_deadline - time.monotonic(), 0))
+        if not reply.ready():
             raise BackendUnavailable(
                 f"ZooKeeper alias '{self.alias}' ({self.settings['HOSTS']}) did not answer in time; "
                 "OPTIONS['CONNECTION_TIMEOUT'] bounds each request."
-            ) from exc
+            )
+        return reply.get(block=False)
 
     @contextmanager
     def _translate_errors(self, action):
@@ -621,22 +998,24 @@ class ZooKeeperBackend(BaseLockBackend):
 
     def acquire(self, name, *, ttl, timeout, blocking):
         """Return an exclusive ``Lease`` on ``name`` (a write node: it excludes readers as well)."""
-        return self._acquire(name, WRITE, ttl=ttl, timeout=timeout, blocking=blocking)
+        return self._call(partial(self._acquire, name, WRITE, ttl=ttl, timeout=timeout, blocking=blocking),
+                          abandon=self._give_back)
 
     def acquire_shared(self, name, mode, *, ttl, timeout, blocking):
         """Return a ``Lease`` on the read/write lock ``name``: ``mode`` "read" (shared) or "write" (exclusive)."""
         if mode not in (READ, WRITE):
             raise ValueError(f'mode must be "read" or "write", got {mode!r}.')
-        return self._acquire(name, mode, ttl=ttl, timeout=timeout, blocking=blocking)
+        return self._call(partial(self._acquire, name, mode, ttl=ttl, timeout=timeout, blocking=blocking),
+                          abandon=self._give_back)
 
-    def _acquire(self, name, kind, *, ttl, timeout, blocking):
+    def _acquire(self, name, kind, job, *, ttl, timeout, blocking):
         deadline = None if timeout is None else time.monotonic() + timeout
         contender = _Contender(self._parent_path(name), new_owner(), kind)
         attempt = Attempt(name=name, owner=contender.owner, ttl=ttl, blocking=blocking, deadline=deadline)
         with self._translate_errors(f"acquiring lock {name!r}"):
             try:
                 while True:
-                    started, looks = self._take_turn(contender, deadline, blocking, name, timeout)
+                    started, looks = self._take_turn(contender, deadline, blocking, name, timeout, job)
                     attempt.tries += looks
                     lease = self.make_lease(name, contender.owner, ttl, started, Grant(
                         token=contender.token, handle=contender.path, session_timeout=self.session_timeout))
@@ -668,18 +1047,22 @@ class ZooKeeperBackend(BaseLockBackend):
             if epoch != self._session_epoch:
                 return False
             self._held[lease.handle] = lease
+            self._lease_epochs[lease] = epoch
             if not self._connected.is_set():
                 lease.mark_suspended(True)
         self._expiry.schedule(lease.handle, time.monotonic() + lease.ttl)
         return True
 
-    def _take_turn(self, contender, deadline, blocking, name, timeout):
+    def _take_turn(self, contender, deadline, blocking, name, timeout, job):
         """Queue ``contender`` and wait until its node holds the lock.
 
         Return when the request that showed the grant was sent (monotonic), and how many looks it took.
+        Raise ``_Abandoned`` once ``job`` is cancelled (its caller was interrupted).
         """
         looks = 0
         while True:
+            if job.cancelled:
+                raise _Abandoned(name)
             looks += 1
             io_deadline = self._io_deadline(deadline)
             # Read before any request of this round: a LOST after it makes the node's epoch stale.
@@ -695,7 +1078,7 @@ class ZooKeeperBackend(BaseLockBackend):
                         return started, looks
                 else:
                     children = self._children(client, contender.parent, io_deadline)
-                blocker = blocker_of(contender.node, children)
+                blocker, children = self._live_blocker(client, contender, children, io_deadline)
                 if len(children) > 1:
                     self._crowded(contender.parent)
                 if blocker is None:
@@ -705,7 +1088,7 @@ class ZooKeeperBackend(BaseLockBackend):
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if not blocking or (remaining is not None and remaining <= 0):
                     raise LockNotAcquired(self._not_acquired_message(name, blocking, timeout))
-                self._wait_for(client, f"{contender.parent}/{blocker}", remaining, io_deadline)
+                self._wait_for(client, f"{contender.parent}/{blocker}", remaining, io_deadline, job)
             except Taken:
                 raise LockNotAcquired(self._not_acquired_message(name, blocking, timeout)) from None
             except ConnectionClosedError:
@@ -790,7 +1173,7 @@ class ZooKeeperBackend(BaseLockBackend):
             except NoNodeError:
                 version = None  # the parent went since the multi: make it
                 continue
-            if ahead_of(contender.kind, children) is not None:
+            if self._live_ahead(client, contender, children, io_deadline) is not None:
                 raise Taken(contender.parent)
             version = stat.version
         return self._create(client, contender, io_deadline, with_parent=version is None)
@@ -843,8 +1226,44 @@ class ZooKeeperBackend(BaseLockBackend):
         if isinstance(made_node, str):
             self._send_leave(made_node)
 
-    def _wait_for(self, client, path, remaining, io_deadline):
-        """Sleep until ``path`` is deleted, the connection changes state, or ``remaining`` seconds pass."""
+    def _live_blocker(self, client, contender, children, io_deadline):
+        """Return the child ``contender`` waits for (None: it holds) and the listing without foreign nodes.
+
+        A persistent child is no contender ("Foreign children" above): it is dropped and the rules applied
+        again. Raise ``NodeGone`` as ``blocker_of``.
+        """
+        while True:
+            blocker = blocker_of(contender.node, children)
+            if blocker is None or self._ephemeral(client, f"{contender.parent}/{blocker}", io_deadline):
+                return blocker, children
+            children = [child for child in children if child != blocker]
+
+    def _live_ahead(self, client, contender, children, io_deadline):
+        """Return the (ephemeral) child a try would wait for, as ``ahead_of``; None if none."""
+        while True:
+            ahead = ahead_of(contender.kind, children)
+            if ahead is None or self._ephemeral(client, f"{contender.parent}/{ahead}", io_deadline):
+                return ahead
+            children = [child for child in children if child != ahead]
+
+    def _ephemeral(self, client, path, io_deadline):
+        """Return False if ``path`` is a persistent node (or gone), True if ephemeral; remembered once seen."""
+        if path in self._checked_ephemeral:
+            return True
+        stat = self._result(client.exists_async(path), io_deadline)
+        if stat is None:
+            return False  # gone meanwhile: not in the way any more
+        if stat.ephemeralOwner == 0:
+            logger.warning("Ignoring %s: a persistent node among the lock's contenders (see distlock check).", path)
+            return False
+        self._checked_ephemeral[path] = True
+        if len(self._checked_ephemeral) > CHECKED_NODES:
+            with suppress(StopIteration, KeyError, RuntimeError):
+                del self._checked_ephemeral[next(iter(self._checked_ephemeral))]
+        return True
+
+    def _wait_for(self, client, path, remaining, io_deadline, job):
+        """Sleep until ``path`` is deleted, the connection changes state, ``job`` is cancelled, or ``remaining`` passes."""
         wake = threading.Event()
 
         def watch(event):
@@ -858,12 +1277,14 @@ class ZooKeeperBackend(BaseLockBackend):
 
         with self._registry_lock:
             self._waiters.add(wake)
+        job.wake = wake
         try:
             try:
                 self._result(client.get_async(path, watch=watch), io_deadline)
             except NoNodeError:
                 return
-            wake.wait(remaining)
+            if not job.cancelled:
+                wake.wait(remaining)
         finally:
             with self._registry_lock:
                 self._waiters.discard(wake)
@@ -879,6 +1300,10 @@ class ZooKeeperBackend(BaseLockBackend):
     # -- holding -------------------------------------------------------------------------------
 
     def _do_release(self, lease):
+        # Interrupted, the release runs to its end on the runner all the same.
+        return self._call(lambda job: self._release(lease))
+
+    def _release(self, lease):
         path, parent = lease.handle, lease.handle.rsplit("/", 1)[0]
         self._forget(path)
         client = self._client
@@ -918,6 +1343,9 @@ class ZooKeeperBackend(BaseLockBackend):
 
     def _do_extend(self, lease, ttl):
         """Check the znode is still ours, then push its expiry; False if it is gone."""
+        return self._call(lambda job: self._extend(lease, ttl))
+
+    def _extend(self, lease, ttl):
         with self._translate_errors(f"extending lock {lease.name!r}"):
             io_deadline = self._io_deadline(None)
             client = self._session(io_deadline)
@@ -939,24 +1367,76 @@ class ZooKeeperBackend(BaseLockBackend):
 
         ``acquired_at`` is when the holder's znode was created (server clock); ``expires_at`` is None:
         the ttl lives in the holder's process, the server frees the lock when its session ends.
+        Persistent children are no holders ("Foreign children" above).
         """
+        return self._call(lambda job: self._held_locks(prefix))
+
+    def _held_locks(self, prefix):
         with self._translate_errors("listing held locks"):
             io_deadline = self._io_deadline(None)
             client = self._session(io_deadline)
             names = [(decode_name(node), node) for node in self._children(client, self._root, io_deadline)]
             names = [(name, f"{self._root}/{node}") for name, node in sorted(names) if name.startswith(prefix)]
             listings = [(name, parent, client.get_children_async(parent)) for name, parent in names]
-            reads = []
-            for name, parent, listing in listings:
-                with suppress(NoNodeError):
-                    for child in holders_of(self._result(listing, io_deadline)):
-                        reads.append((name, client.get_async(f"{parent}/{child}")))
             infos = []
-            for name, read in reads:
-                with suppress(NoNodeError):
-                    data, stat = self._result(read, io_deadline)
-                    infos.append(self._lock_info(name, data, stat))
+            for name, parent, listing in listings:
+                try:
+                    children = self._result(listing, io_deadline)
+                except NoNodeError:
+                    continue
+                while True:
+                    reads = [(child, client.get_async(f"{parent}/{child}")) for child in holders_of(children)]
+                    found, foreign = [], set()
+                    for child, read in reads:
+                        with suppress(NoNodeError):
+                            data, stat = self._result(read, io_deadline)
+                            if stat.ephemeralOwner == 0:
+                                foreign.add(child)
+                            else:
+                                found.append(self._lock_info(name, data, stat))
+                    if not foreign:
+                        break
+                    children = [child for child in children if child not in foreign]
+                infos.extend(found)
             return infos
+
+    def foreign_nodes(self):
+        """Return a description of every child of a lock's parent that the protocol ignores.
+
+        Those are children whose name is not a contender's (owner, kind and a non-negative sequence)
+        and persistent children (contenders are always ephemeral). Planted by hand or by a client
+        that can write under ``ROOT``; harmless to the locks, reported by ``distlock check``. Each
+        description names the znode path and why it is ignored.
+        """
+        return self._call(lambda job: self._foreign_nodes())
+
+    def _foreign_nodes(self):
+        with self._translate_errors("looking for foreign znodes"):
+            io_deadline = self._io_deadline(None)
+            client = self._session(io_deadline)
+            parents = [f"{self._root}/{node}" for node in sorted(self._children(client, self._root, io_deadline))]
+            listings = [(parent, client.get_children_async(parent)) for parent in parents]
+            stats = []
+            for parent, listing in listings:
+                try:
+                    children = self._result(listing, io_deadline)
+                except NoNodeError:
+                    continue
+                stats.extend((f"{parent}/{child}", _NODE_NAME.match(child) is not None,
+                              client.exists_async(f"{parent}/{child}")) for child in sorted(children))
+            found = []
+            for path, named, reply in stats:
+                stat = self._result(reply, io_deadline)
+                if stat is None:
+                    continue  # gone meanwhile
+                problems = []
+                if not named:
+                    problems.append("its name is not <owner>-<read|write>-<non-negative sequence>")
+                if stat.ephemeralOwner == 0:
+                    problems.append("it is persistent, not ephemeral")
+                if problems:
+                    found.append(f"{path}: {' and '.join(problems)}; the lock protocol ignores it")
+            return found
 
     def _lock_info(self, name, data, stat):
         try:
@@ -971,6 +1451,9 @@ class ZooKeeperBackend(BaseLockBackend):
 
     def force_release(self, name, owner):
         """Delete ``name``'s znode of ``owner``, checked by its data and version; return True if deleted."""
+        return self._call(lambda job: self._force_release(name, owner))
+
+    def _force_release(self, name, owner):
         parent = self._parent_path(name)
         with self._translate_errors(f"force-releasing lock {name!r}"):
             io_deadline = self._io_deadline(None)
@@ -993,29 +1476,44 @@ class ZooKeeperBackend(BaseLockBackend):
         return False
 
     def ping(self):
+        self._call(lambda job: self._ping())
+
+    def _ping(self):
         with self._translate_errors("pinging"):
             io_deadline = self._io_deadline(None)
             self._result(self._session(io_deadline).exists_async("/"), io_deadline)
 
     def close(self):
         """End the session: held leases are marked lost, their znodes deleted before the session closes."""
+        if self._client is None:
+            return
+        try:
+            state_thread = self._call(lambda job: self._close())
+        finally:
+            runner, self._runner = self._runner, None
+            if runner is not None:
+                runner.stop()
+        if state_thread is not None and threading.current_thread() is not state_thread:
+            state_thread.join()
+
+    def _close(self):
         with self._client_lock:
             client, self._client = self._client, None
         if client is None:
-            return
+            return None
         with self._registry_lock:
             leases = list(self._held.values())
             self._held.clear()
             self._litter.clear()
+            self._mark_dead(leases)
         for lease in leases:
             self._expiry.cancel(lease.handle)
             # Queued ahead of the close request, so they run before the session ends.
             client.delete_async(lease.handle)
             client.delete_async(lease.handle.rsplit("/", 1)[0])
-            lease.mark_lost("the backend was closed, ending its ZooKeeper session")
+        self._announce_lost(leases, "the backend was closed, ending its ZooKeeper session")
         client.stop()
         client.close()
         self._states.put(None)
         self._expiry.stop()
-        if threading.current_thread() is not self._state_thread:
-            self._state_thread.join()
+        return self._state_thread

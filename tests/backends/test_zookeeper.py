@@ -1,14 +1,19 @@
 """What only the ZooKeeper backend promises: znode layout, sessions, read/write locks, no herd, no litter."""
 
 import json
+import queue
+import signal
+import subprocess
+import sys
 import threading
 import time
+from contextlib import suppress
 
 import pytest
 from django.conf import settings as django_settings
 from django.core.exceptions import ImproperlyConfigured
 from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import NoNodeError
+from kazoo.exceptions import NoNodeError, NotEmptyError
 
 import distlock
 from distlock.backends.zookeeper import (
@@ -30,7 +35,7 @@ from tests.conftest import require_alias
 from tests.faults.proxy import FaultProxy
 from tests.servers import wait_until
 from tests.servers.zookeeper import ZooKeeperEnsemble, four_letter_word
-from tests.workers import read_events, spawn
+from tests.workers import ROOT, child_env, read_events, spawn
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
@@ -149,11 +154,19 @@ def test_expiry_timer_follows_moves_and_cancellations():
 @pytest.mark.parametrize(("option", "value"), [
     ("HOSTS", ""), ("HOSTS", "127.0.0.1:2181,,"), ("ROOT", "distlock"), ("ROOT", "/"), ("ROOT", "/a/"),
     ("ROOT", "/a/../b"), ("ROOT", "/zookeeper/x"), ("SESSION_TIMEOUT", 0), ("CONNECTION_TIMEOUT", "5"),
+    ("SESSION_TIMEOUT", 2**31 / 1000),
 ])
 def test_bad_options_are_refused_naming_the_option(option, value):
     options = {"HOSTS": "127.0.0.1:2181", option: value}
     with pytest.raises(ImproperlyConfigured, match=option):
         ZooKeeperBackend.clean_options("zk", options)
+
+
+def test_a_session_timeout_beyond_int32_milliseconds_is_refused_with_the_bound():
+    """kazoo packs it as a signed 32-bit number of ms: one more kills its connection thread for good."""
+    with pytest.raises(ImproperlyConfigured, match=r"SESSION_TIMEOUT.*at most 2147483\.647 seconds"):
+        ZooKeeperBackend.clean_options("zk", {"HOSTS": "127.0.0.1:2181", "SESSION_TIMEOUT": 3e6})
+    assert ZooKeeperBackend.clean_options("zk", {"HOSTS": "127.0.0.1:2181", "SESSION_TIMEOUT": (2**31 - 1) / 1000})
 
 
 # -- znodes ---------------------------------------------------------------------------------------
@@ -225,6 +238,43 @@ def test_a_try_that_misses_makes_no_node(backends, options, zk, lock_name):
     zk.sync(parent)
     assert zk.exists(parent).cversion == before
     lease.release()
+
+
+def test_planted_persistent_children_are_ignored_and_reported(backends, options, zk, lock_name):
+    """A persistent child that sorts first (a negative sequence, or sequence 0) blocks nobody, and
+    ``foreign_nodes()`` (for ``distlock check``) names it and every child whose name is not a contender's."""
+    parent = f"{options['ROOT']}/{encode_name(lock_name)}"
+    planted = [f"{parent}/planted-write--000000001", f"{parent}/planted-write-0000000000", f"{parent}/notes"]
+    for path in planted:
+        zk.create(path, b"", makepath=True)
+    backend, other = backends(), backends()
+    try:
+        lease = backend.acquire(lock_name, ttl=10, timeout=0, blocking=False)
+        assert [info.owner for info in other.held_locks(lock_name)] == [lease.owner]
+        with pytest.raises(distlock.LockNotAcquired):
+            other.acquire(lock_name, ttl=10, timeout=0, blocking=False)
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(other.acquire(lock_name, ttl=10, timeout=20,
+                                                                          blocking=True)))
+        waiter.start()
+        wait_for(lambda: len(our_nodes(zk, options["ROOT"], lock_name)) == len(planted) + 2, 10, "the waiter queueing")
+        assert lease.release() is True
+        waiter.join(20)
+        (successor,) = got
+        assert successor.token > lease.token
+        reports = other.foreign_nodes()
+        for path in planted:
+            (report,) = [line for line in reports if line.startswith(f"{path}:")]
+            assert "persistent" in report
+        assert "not <owner>-<read|write>-<non-negative sequence>" in next(
+            line for line in reports if line.startswith(f"{parent}/planted-write--000000001:"))
+        assert not any(line.startswith(f"{parent}/{successor.owner}") for line in reports), "ours are not foreign"
+        successor.release()
+    finally:
+        for path in planted:
+            zk.delete(path)
+        with suppress(NoNodeError, NotEmptyError):
+            zk.delete(parent)
 
 
 def create_contender(zk, parent):
@@ -441,7 +491,9 @@ def test_session_expiry_marks_the_lease_lost_and_frees_the_lock(backends, option
     lease = backend.acquire(lock_name, ttl=60, timeout=10, blocking=True)
     lease.check()
     expire_session(options["HOSTS"], backend._client)
-    wait_for(lambda: lease.lost, 15, "the lease being marked lost")
+    # check() fails from the moment LOST arrives; lock_lost (with the reason) follows on the state thread.
+    wait_for(lambda: lost_leases, 15, "the lease being marked lost")
+    assert lease.lost
     with pytest.raises(distlock.LockLost, match="session expired"):
         lease.check()
     assert [(lost, "session expired" in reason) for lost, reason in lost_leases] == [(lease, True)]
@@ -453,6 +505,73 @@ def test_session_expiry_marks_the_lease_lost_and_frees_the_lock(backends, option
     again = backend.acquire(lock_name, ttl=10, timeout=10, blocking=True)
     assert again.token > successor.token
     again.release()
+
+
+class ReceiverFailed(BaseException):
+    """Raised by a hostile receiver: not an ``Exception``, so not even ``send_robust`` catches it."""
+
+
+@pytest.mark.parametrize("error", [RuntimeError, ReceiverFailed])
+def test_a_raising_lock_lost_receiver_stops_no_loss_detection(backends, options, lock_name, error):
+    """Every lease of the expired session is lost before the first ``lock_lost`` is sent, a receiver
+    that raises stops neither the others nor the state thread, which follows the next expiry too."""
+    backend = backends()
+    seen = []
+
+    def receiver(lease, **kwargs):
+        seen.append((lease, [held.lost for held in leases]))
+        raise error("a receiver doing I/O failed")
+
+    leases = [backend.acquire(f"{lock_name}:{i}", ttl=60, timeout=10, blocking=True) for i in range(2)]
+    lock_lost.connect(receiver)
+    try:
+        expire_session(options["HOSTS"], backend._client)
+        wait_for(lambda: len(seen) == 2, 15, "lock_lost for both leases")
+        assert sorted(lease.name for lease, _ in seen) == sorted(lease.name for lease in leases)
+        assert seen[0][1] == [True, True], "the first receiver ran while the other lease still passed check()"
+        for lease in leases:
+            with pytest.raises(distlock.LockLost):
+                lease.check()
+        # The state thread lives on: a lease on the next session is lost with that session too.
+        leases = [backend.acquire(f"{lock_name}:again", ttl=60, timeout=10, blocking=True)]
+        expire_session(options["HOSTS"], backend._client)
+        wait_for(lambda: len(seen) == 3, 15, "lock_lost after the second expiry")
+        with pytest.raises(distlock.LockLost, match="session expired"):
+            leases[0].check()
+    finally:
+        lock_lost.disconnect(receiver)
+
+
+def test_a_holder_frozen_past_its_session_fails_check_the_moment_it_wakes(alias, backends, lock_name):
+    """Frozen (SIGSTOP) longer than its session but shorter than its ttl: the server hands the lock on,
+    and ``check()``, run before anything else after SIGCONT, raises ``LockLost`` (bounded by the last
+    answered request's send time plus the session timeout, not by kazoo's thread hearing of it)."""
+    holder = spawn("hold_then_check", alias=alias, name=lock_name, ttl=60, options={"SESSION_TIMEOUT": 1})
+    other = backends()
+    try:
+        held = json.loads(holder.stdout.readline())
+        assert held["session_timeout"] == 1.0
+        holder.send_signal(signal.SIGSTOP)
+        successor = []
+
+        def handed_on():
+            try:
+                successor.append(other.acquire(lock_name, ttl=10, timeout=0, blocking=False))
+            except distlock.LockNotAcquired:
+                return False
+            return True
+
+        wait_until(handed_on, 15, "the server expiring the frozen holder's session")
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        holder.send_signal(signal.SIGCONT)
+        report = json.loads(holder.stdout.readline())
+        assert report["check"] == "LockLost" and "session" in report["message"], report
+        assert successor[0].token > held["token"]
+        successor[0].release()
+    finally:
+        holder.kill()
+        holder.communicate()
 
 
 def test_waiter_whose_session_expires_queues_again_and_gets_the_lock(backends, options, zk, lock_name):
@@ -508,7 +627,10 @@ def test_suspended_past_the_session_timeout_means_lost(backends, proxied, lost_l
     assert lease.session_timeout == 1.0
     proxied.blackhole()
     proxied.cut()
-    wait_for(lambda: lease.lost, 5, "the lease being marked lost while unreachable")
+    wait_for(lambda: lease.lost, 5, "the lease being lost while unreachable")
+    with pytest.raises(distlock.LockLost, match="session timeout"):
+        lease.check()  # from the last answered request or ping, before the state thread gives up
+    wait_for(lambda: lost_leases, 5, "lock_lost being sent")
     assert [lost for lost, _ in lost_leases] == [lease]
     with pytest.raises(distlock.LockLost, match="session timeout"):
         lease.check()
@@ -655,3 +777,103 @@ def test_tries_do_not_fail_each_other(alias, options, zk, tmp_path, lock_name):
     assert len(grants) >= 100 and len(grants) >= 2 * len(kazoo_grants), figures
     # Tries that fail leave nothing behind, and the last one out removed the parent.
     wait_for(lambda: our_nodes(zk, options["ROOT"], lock_name) is None, 10, "the parent znode being deleted")
+
+
+# -- interrupts and green threads ------------------------------------------------------------------------
+
+class Lines:
+    """Read a child's stdout lines on a thread, so the test can wait for each with a deadline."""
+
+    def __init__(self, process):
+        self._process = process
+        self._lines = queue.SimpleQueue()
+        self.stderr = []  # drained too, so a chatty child never blocks on a full pipe
+        self._readers = [threading.Thread(target=self._read, args=(process.stdout,), daemon=True),
+                         threading.Thread(target=lambda: self.stderr.extend(process.stderr), daemon=True)]
+        for reader in self._readers:
+            reader.start()
+
+    def close(self):
+        """Kill the process if it still runs, then close its pipes."""
+        if self._process.poll() is None:
+            self._process.kill()
+        self._process.wait(10)
+        for reader in self._readers:
+            reader.join(10)
+        for pipe in (self._process.stdin, self._process.stdout, self._process.stderr):
+            pipe.close()
+
+    def _read(self, stdout):
+        for line in stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def event(self, timeout, what):
+        """Return the next JSON line, failing if none comes within ``timeout`` seconds (a hang)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._lines.get(timeout=max(deadline - time.monotonic(), 0))
+            except queue.Empty:
+                raise AssertionError(f"{what}: nothing within {timeout}s, the process hangs") from None
+            if line is None:
+                raise AssertionError(f"{what}: the process ended without it:\n{''.join(self.stderr)[-4000:]}")
+            if line.startswith("{"):
+                return json.loads(line)
+
+
+@pytest.mark.slow
+def test_interrupts_at_random_points_never_hang_the_client_or_leak_a_lock(alias, lock_name):
+    """``SIGALRM`` raising at random points of 600 non-blocking acquires and releases in the main thread
+    (Celery's soft time limit): the process never hangs, nothing is held 1 s past the ttl, the alias
+    still grants every name. kazoo's own locks, queues and conditions were cut mid-update before."""
+    ttl, operations = 2.0, 600
+    storm = spawn("interrupt_storm", alias=alias, prefix=lock_name, operations=operations, ttl=ttl)
+    lines = Lines(storm)
+    try:
+        done = lines.event(40, "the storm")
+        counts = done["storm"]
+        print(counts, f"interrupts within {done['max_interval_ms']:.2f} ms")
+        assert counts["errors"] == [], counts
+        assert counts["interrupted"] >= 50 and counts["granted"] >= 50, f"too few of either to tell: {counts}"
+
+        def nothing_held():
+            return locks[alias].held_locks(f"{lock_name}:") == []
+
+        # Grants that were handed over before an interrupt are freed by the ttl timer.
+        wait_until(nothing_held, max(done["end"] + ttl + 1 - time.monotonic(), 0.1),
+                   "every lock free within its ttl + 1 s")
+        storm.stdin.write("verify\n")
+        storm.stdin.flush()
+        assert lines.event(20, "the alias being used again")["usable"] == [True] * 4
+        assert storm.wait(20) == 0
+    finally:
+        lines.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("library", "handler", "patch"), [
+    ("gevent", "SequentialGeventHandler", "from gevent import monkey; monkey.patch_all()"),
+    ("eventlet", "SequentialEventletHandler", "import eventlet; eventlet.monkey_patch()"),
+])
+def test_green_processes_use_kazoos_green_handler(alias, lock_name, library, handler, patch):
+    """A process monkey-patched by gevent or eventlet (as their Celery pools and gunicorn workers are):
+    10 green threads x 60 lock/unlock cycles on 3 hot names, 0 errors, nothing left held, a clean close."""
+    pytest.importorskip(library)
+    code = (f"{patch}\nimport runpy\n"
+            "runpy.run_module('tests.workers', run_name='__main__', alter_sys=True)")
+    arguments = json.dumps({"alias": alias, "prefix": lock_name, "threads": 10, "cycles": 60})
+    worker = subprocess.Popen([sys.executable, "-c", code, "green_cycles", arguments], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT)
+    try:
+        events = read_events(worker, timeout=60)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.communicate()
+    report, closed = events
+    assert report["error_count"] == 0, report
+    assert report["cycles"] == 600 and report["held"] == [], report
+    assert report["handler"] == handler
+    assert closed == {"closed": True}
+    assert locks[alias].held_locks(f"{lock_name}:") == []
