@@ -34,6 +34,8 @@ class PingResult:
     backend: str
     seconds: float | None = None
     error: str = ""
+    #: Records under the alias's namespace that the lock protocol ignores (``foreign_records()``).
+    foreign: list = field(default_factory=list)
 
 
 def _describe(exc):
@@ -89,6 +91,7 @@ def ping_all(only=None):
             started = time.perf_counter()
             backend.ping()
             result.seconds = time.perf_counter() - started
+            result.foreign = [redact(record) for record in backend.foreign_records()]
         except Exception as exc:  # noqa: BLE001 - reported per alias: a health probe must name every failure
             result.error = _describe(exc)
         results.append(result)

@@ -341,6 +341,14 @@ class BaseLockBackend:
         """Delete lock ``name`` only if ``owner`` still holds it (an operator's action); return True if deleted."""
         raise NotImplementedError("subclasses of BaseLockBackend must provide force_release()")
 
+    def foreign_records(self):
+        """Return a description of each record under this alias's namespace that the lock protocol ignores.
+
+        Planted by hand or by another program (a persistent znode among ZooKeeper contenders, say):
+        harmless to the locks, reported by ``distlock check``.
+        """
+        return []
+
     def ping(self):
         """Make one round trip to the server; raise ``BackendUnavailable`` if it does not answer."""
         raise NotImplementedError("subclasses of BaseLockBackend must provide ping()")

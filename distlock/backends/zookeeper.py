@@ -157,7 +157,7 @@ logger = logging.getLogger("distlock.backends.zookeeper")
 #   (a persistent node planted by hand or by a hostile client, say "x-write--000000001", which would
 #   sort first and block the lock forever) is ignored: names by the pattern, persistence by the stat
 #   of the node a contender would wait for or fail on (read once, remembered), and by the holder's
-#   stat in ``held_locks()``. ``foreign_nodes()`` reports them, for ``distlock check``.
+#   stat in ``held_locks()``. ``foreign_records()`` reports them, for ``distlock check``.
 
 ROOT_DEFAULT = "/distlock"
 WRITE, READ = "write", "read"
@@ -1400,7 +1400,7 @@ class ZooKeeperBackend(BaseLockBackend):
                 infos.extend(found)
             return infos
 
-    def foreign_nodes(self):
+    def foreign_records(self):
         """Return a description of every child of a lock's parent that the protocol ignores.
 
         Those are children whose name is not a contender's (owner, kind and a non-negative sequence)

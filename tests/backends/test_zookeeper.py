@@ -1,5 +1,6 @@
 """What only the ZooKeeper backend promises: znode layout, sessions, read/write locks, no herd, no litter."""
 
+import io
 import json
 import queue
 import signal
@@ -12,6 +13,7 @@ from contextlib import suppress
 import pytest
 from django.conf import settings as django_settings
 from django.core.exceptions import ImproperlyConfigured
+from django.core.management import call_command
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import NoNodeError, NotEmptyError
 
@@ -242,7 +244,7 @@ def test_a_try_that_misses_makes_no_node(backends, options, zk, lock_name):
 
 def test_planted_persistent_children_are_ignored_and_reported(backends, options, zk, lock_name):
     """A persistent child that sorts first (a negative sequence, or sequence 0) blocks nobody, and
-    ``foreign_nodes()`` (for ``distlock check``) names it and every child whose name is not a contender's."""
+    ``foreign_records()`` (for ``distlock check``) names it and every child whose name is not a contender's."""
     parent = f"{options['ROOT']}/{encode_name(lock_name)}"
     planted = [f"{parent}/planted-write--000000001", f"{parent}/planted-write-0000000000", f"{parent}/notes"]
     for path in planted:
@@ -262,7 +264,7 @@ def test_planted_persistent_children_are_ignored_and_reported(backends, options,
         waiter.join(20)
         (successor,) = got
         assert successor.token > lease.token
-        reports = other.foreign_nodes()
+        reports = other.foreign_records()
         for path in planted:
             (report,) = [line for line in reports if line.startswith(f"{path}:")]
             assert "persistent" in report
@@ -472,6 +474,18 @@ def expire_session(hosts, client):
     intruder.start(timeout=15)
     intruder.stop()
     intruder.close()
+
+
+@pytest.mark.django_db(transaction=True, databases="__all__")
+def test_distlock_check_reports_a_planted_child(alias, options, zk, lock_name):
+    planted = f"{options['ROOT']}/{encode_name(lock_name)}/notes"
+    zk.create(planted, b"", makepath=True)
+    try:
+        out = io.StringIO()
+        call_command("distlock", "check", "--using", alias, stdout=out)
+        assert f"{alias}: WARNING {planted}: " in out.getvalue()
+    finally:
+        zk.delete(planted)
 
 
 @pytest.fixture

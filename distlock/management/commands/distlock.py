@@ -166,6 +166,8 @@ class Command(BaseCommand):
                 self.stdout.write(f"{result.alias}: FAILED {result.error} ({result.backend})")
             else:
                 self.stdout.write(f"{result.alias}: ok {result.seconds * 1000:.2f} ms ({result.backend})")
+            for record in result.foreign:
+                self.stdout.write(f"{result.alias}: WARNING {record}")
         failed = [result.alias for result in results if result.error]
         if failed:
             raise CommandError(f"{len(failed)} backend(s) failed: {', '.join(failed)}.")
