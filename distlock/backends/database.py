@@ -16,15 +16,17 @@ import sqlite3
 import threading
 import time
 import weakref
+import zoneinfo
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
-from datetime import timezone
+from datetime import timezone as dt_timezone
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, ProgrammingError, connections
 from django.db.utils import load_backend
+from django.utils import timezone
 
 from distlock.backends.base import (
     SAFE_FENCING_TOKENS,
@@ -384,7 +386,11 @@ class _PostgreSQL(_Dialect):
 
     @staticmethod
     def aware(value):
-        return value  # psycopg returns timestamptz as aware datetimes
+        # With USE_TZ, Django's psycopg loaders give aware datetimes; without it, naive ones in the
+        # connection's time zone, which Django sets to TIME_ZONE.
+        if timezone.is_aware(value):
+            return value
+        return timezone.make_aware(value, zoneinfo.ZoneInfo(settings.TIME_ZONE)).astimezone(dt_timezone.utc)
 
     def close(self):
         self.watchdog.stop()
@@ -421,7 +427,7 @@ class _SQLite(_Dialect):
 
     @staticmethod
     def aware(value):
-        return value.replace(tzinfo=timezone.utc)  # SQLite's clock is UTC; Django parses the text naive
+        return value.replace(tzinfo=dt_timezone.utc)  # SQLite's clock is UTC; Django parses the text naive
 
 
 DIALECTS = {"postgresql": _PostgreSQL, "sqlite": _SQLite}

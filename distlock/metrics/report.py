@@ -9,7 +9,9 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from django.conf import settings as django_settings
 from django.db.models import Count, Sum
+from django.utils import timezone
 
 from distlock.metrics import conf, series
 from distlock.metrics.recorder import OTHER_PREFIX, PERIOD, prefix_of
@@ -199,7 +201,10 @@ def summarize(window=None, *, alias=None, prefix=None, now=None):
 def _rejections(since, alias):
     rejections = FencingRejection.objects.all()
     if since is not None:
-        rejections = rejections.filter(created_at__gte=datetime.fromtimestamp(since, tz=UTC))
+        since_at = datetime.fromtimestamp(since, tz=UTC)
+        # Without USE_TZ the column holds naive local times, and SQLite refuses an aware value.
+        rejections = rejections.filter(created_at__gte=since_at if django_settings.USE_TZ
+                                       else timezone.make_naive(since_at))
     if alias is not None:
         rejections = rejections.filter(alias=alias)
     return [((row["alias"], row["lock_name"]), row["n"])
