@@ -17,6 +17,7 @@ class DistlockConfig(AppConfig):
         from distlock.handler import locks  # noqa: PLC0415
 
         checks.register(distlock_checks.check_distlock_setting, "distlock")
+        checks.register(distlock_checks.check_metrics_setting, "distlock")
 
         def reset_backends(*, setting, **kwargs):
             if setting in ("DISTLOCK", "DATABASES", "CACHES"):

@@ -3,6 +3,7 @@
 from django.conf import settings
 from django.core.checks import Error, Warning  # noqa: A004 - Django's name
 from django.core.exceptions import ImproperlyConfigured
+from django.db.utils import load_backend
 from django.utils.module_loading import import_string
 
 from distlock.backends.base import BaseLockBackend
@@ -14,6 +15,8 @@ E002 = "distlock.E002"  # an alias entry is not a dict with BACKEND
 E003 = "distlock.E003"  # BACKEND cannot be imported or is not a lock backend
 E004 = "distlock.E004"  # an option is missing, unknown, or invalid
 E005 = "distlock.E005"  # two aliases keep keys under one prefix of one server
+E006 = "distlock.E006"  # DISTLOCK_METRICS is invalid
+E007 = "distlock.E007"  # the metrics store's database is not PostgreSQL or SQLite
 W001 = "distlock.W001"  # a backend that can be secured is not (shown with DEBUG off)
 
 
@@ -70,3 +73,26 @@ def check_distlock_setting(app_configs=None, **kwargs):
                     "its own.",
                     hint=f"Give DISTLOCK['{alias}']['OPTIONS'] a KEY_PREFIX of its own.", id=E005))
     return errors
+
+
+#: Database vendors the metrics store's statements are written for.
+METRICS_VENDORS = ("postgresql", "sqlite")
+
+
+def check_metrics_setting(app_configs=None, **kwargs):
+    """Report an invalid ``DISTLOCK_METRICS``, or a metrics database the store cannot write to."""
+    from distlock.metrics import conf  # noqa: PLC0415 - reads the app registry (routers, models)
+
+    try:
+        loaded = conf.load()
+    except ImproperlyConfigured as exc:
+        return [Error(str(exc), hint="Fix the key named, or leave it out for its default.", id=E006)]
+    vendor = load_backend(settings.DATABASES[loaded.database]["ENGINE"]).DatabaseWrapper.vendor
+    if loaded.enabled and vendor not in METRICS_VENDORS:
+        return [Error(
+            f"The lock metrics store is on DATABASES['{loaded.database}'], a {vendor} database; it needs "
+            "PostgreSQL or SQLite.",
+            hint="Set DISTLOCK_METRICS['DATABASE'] to a PostgreSQL or SQLite database (a router that sends the "
+                 "distlock app there works too), or DISTLOCK_METRICS['ENABLED'] = False.",
+            id=E007)]
+    return []

@@ -4,7 +4,7 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 
-from distlock.checks import check_distlock_setting
+from distlock.checks import check_distlock_setting, check_metrics_setting
 
 
 def ids(errors):
@@ -107,3 +107,25 @@ def test_redlock_counts_one_server_spelled_twice_once(settings):
     errors = check_distlock_setting()
     assert ids(errors) == ["distlock.E004"]
     assert "each master once" in errors[0].msg
+
+
+def test_an_invalid_distlock_metrics_is_reported_by_the_checks(settings):
+    settings.DISTLOCK_METRICS = {"FLUSH_INTERVAL": "10"}
+    errors = check_metrics_setting()
+    assert ids(errors) == ["distlock.E006"]
+    assert "FLUSH_INTERVAL" in errors[0].msg
+
+
+@pytest.mark.filterwarnings("ignore:Overriding setting DATABASES")
+def test_a_metrics_store_on_an_unsupported_database_is_refused(settings):
+    settings.DATABASES = {**settings.DATABASES, "mysql": {"ENGINE": "tests.vendor_backends.mysql", "NAME": ":memory:"}}
+    settings.DISTLOCK_METRICS = {"DATABASE": "mysql"}
+    errors = check_metrics_setting()
+    assert ids(errors) == ["distlock.E007"]
+    assert "DATABASES['mysql'], a mysql database" in errors[0].msg
+    settings.DISTLOCK_METRICS = {"DATABASE": "mysql", "ENABLED": False}
+    assert check_metrics_setting() == []
+
+
+def test_the_test_metrics_settings_pass():
+    assert check_metrics_setting() == []
