@@ -23,6 +23,16 @@ class FencedQuerySet(models.QuerySet):
         clone._token_writable = self._token_writable
         return clone
 
+    def _writing(self):
+        """Return a copy bound to the database routers pick for writes, as ``update()`` is.
+
+        A claim and a fenced update read the stale rows and write on one database, in one
+        transaction; with a read-replica router, ``self.db`` alone would name the replica.
+        """
+        clone = self._chain()
+        clone._for_write = True
+        return clone
+
     def unfenced(self):
         """Return a copy of this queryset whose ``update()``, ``bulk_update()`` and ``bulk_create()`` may set the token.
 
@@ -65,7 +75,7 @@ class FencedQuerySet(models.QuerySet):
         :raises DoesNotExist: no row matches (``MultipleObjectsReturned`` if several do).
         :raises TransactionManagementError: called inside ``transaction.atomic()`` (or with autocommit off).
         """
-        return fencing.claim(self, fencing.offer(self.model, lease_or_token, "lease_or_token"), lookup)
+        return fencing.claim(self._writing(), fencing.offer(self.model, lease_or_token, "lease_or_token"), lookup)
 
     def claim_in_transaction(self, lease_or_token, **lookup):
         """``claim()`` as part of the caller's open transaction: the raised token commits or rolls back with it.
@@ -73,7 +83,7 @@ class FencedQuerySet(models.QuerySet):
         After a rollback the claim is void: older holders' writes are accepted again, so claim again
         before reading. For callers that must commit the claim together with other rows.
         """
-        return fencing.claim(self, fencing.offer(self.model, lease_or_token, "lease_or_token"), lookup,
+        return fencing.claim(self._writing(), fencing.offer(self.model, lease_or_token, "lease_or_token"), lookup,
                              in_transaction=True)
 
     def fenced_update(self, token, **fields):
@@ -83,4 +93,4 @@ class FencedQuerySet(models.QuerySet):
         rejection like a refused save (counted, logged, signalled), but nothing is raised: compare
         the count with what you expected.
         """
-        return fencing.fenced_update(self, fencing.offer(self.model, token, "token"), fields)
+        return fencing.fenced_update(self._writing(), fencing.offer(self.model, token, "token"), fields)

@@ -59,3 +59,31 @@ def test_without_use_tz_the_held_locks_page_and_stats_work(naive_settings, admin
     out = StringIO()
     call_command("distlock", "stats", "--using", db_alias, stdout=out)
     assert db_alias in out.getvalue()
+
+
+class ReadReplicaRouter:
+    """Reads of the fenced models go to a replica ("postgres" here), writes to the primary ("default")."""
+
+    def db_for_read(self, model, **hints):
+        return "postgres" if model._meta.app_label == "fencing_app" else None
+
+    def db_for_write(self, model, **hints):
+        return "default" if model._meta.app_label == "fencing_app" else None
+
+
+@pytest.fixture
+def read_replica_router(settings):
+    require_alias("postgres")
+    settings.DATABASE_ROUTERS = [f"{__name__}.ReadReplicaRouter"]
+
+
+def test_claims_and_fenced_updates_go_to_the_primary_under_a_read_replica_router(read_replica_router):
+    from tests.fencing_app.models import Account  # noqa: PLC0415
+
+    account = Account.objects.using("default").create(name="primary-only")
+    claimed = Account.objects.claim(7, pk=account.pk)  # the row exists on the primary only
+    assert claimed.fencing_token == 7
+    assert Account.objects.filter(pk=account.pk).fenced_update(8, note="updated") == 1
+    stored = Account.objects.using("default").get(pk=account.pk)
+    assert (stored.fencing_token, stored.note) == (8, "updated")
+    assert not Account.objects.using("postgres").filter(name="primary-only").exists()
