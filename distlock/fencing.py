@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from django.apps import apps
 from django.core.exceptions import EmptyResultSet, FieldDoesNotExist
-from django.db import DatabaseError, OperationalError, connections, transaction
+from django.db import DatabaseError, OperationalError, connections, router, transaction
 from django.db.models.lookups import LessThanOrEqual
 from django.db.models.sql.where import AND
 from django.db.transaction import TransactionManagementError
@@ -394,7 +394,8 @@ def record_rejections(model, offer, using, stale_rows):
             model_label=model._meta.label, object_pk=str(pk), offered_token=offer.token, current_token=current,
             lock_name=offer.lock_name or "", alias=alias, host=holder.host, pid=holder.pid,
         ))
-    log_rejections(entries, using)
+    # Where the routers keep distlock's own tables, not necessarily the fenced model's database.
+    log_rejections(entries, router.db_for_write(rejection_model))
     for pk, current in stale_rows:
         responses = fencing_token_rejected.send_robust(
             sender=model, model=model, pk=pk, offered_token=offer.token, current_token=current,

@@ -27,6 +27,12 @@ DATABASES = {
                     "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;"},
         "TEST": {"NAME": SQLITE_TEST_NAME},
     },
+    # Where tests/test_configurations.py's router sends the distlock app (its own tables only).
+    "locks": {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": os.path.join(TMP, f"{'test-' if CHILD else ''}distlock-locks-{RUN_ID}.sqlite3"),
+        "TEST": {"NAME": os.path.join(TMP, f"test-distlock-locks-{RUN_ID}.sqlite3")},
+    },
 }
 
 DISTLOCK = {

@@ -87,3 +87,31 @@ def test_claims_and_fenced_updates_go_to_the_primary_under_a_read_replica_router
     stored = Account.objects.using("default").get(pk=account.pk)
     assert (stored.fencing_token, stored.note) == (8, "updated")
     assert not Account.objects.using("postgres").filter(name="primary-only").exists()
+
+
+class LocksDatabaseRouter:
+    """Keeps the distlock app's own tables (rejections, metrics, lock rows) on the "locks" database."""
+
+    def db_for_read(self, model, **hints):
+        return "locks" if model._meta.app_label == "distlock" else None
+
+    db_for_write = db_for_read
+
+
+def test_with_distlock_routed_to_its_own_database_rejections_land_and_show_there(settings, admin_client):
+    from distlock.metrics import conf, report  # noqa: PLC0415
+    from tests.fencing_app.models import Account  # noqa: PLC0415
+
+    settings.DATABASE_ROUTERS = [f"{__name__}.LocksDatabaseRouter"]
+    assert conf.get().database == "locks"
+    account = Account.objects.create(name="routed")
+    Account.objects.claim(5, pk=account.pk)
+    account.balance = 1
+    with pytest.raises(distlock.StaleFencingToken):
+        account.save(fencing_token=3)
+    assert FencingRejection.objects.using("locks").count() == 1
+    assert not FencingRejection.objects.using("default").exists()
+    assert sum(row.fencing_rejections for row in report.summarize(None).rows if row.prefix == "") == 1
+    out = StringIO()
+    call_command("distlock", "stats", stdout=out)
+    assert admin_client.get(PAGE).status_code == 200

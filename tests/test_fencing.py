@@ -9,7 +9,7 @@ import time
 
 import pytest
 from django.conf import settings
-from django.db import connections, models, transaction
+from django.db import connections, models, router, transaction
 from django.db.models import F
 from django.db.transaction import TransactionManagementError
 from django.test.utils import CaptureQueriesContext
@@ -83,7 +83,9 @@ class UnsafeTokenBackend(LocMemBackend):
 
 
 def rejections(db, account):
-    return list(FencingRejection.objects.using(db)
+    """The logged rejections of ``account`` (from database ``db``): they go where the routers keep
+    distlock's tables, the default database here, whichever database the fenced row is on."""
+    return list(FencingRejection.objects.using(router.db_for_read(FencingRejection))
                 .filter(model_label=account._meta.label, object_pk=str(account.pk)).order_by("id"))
 
 

@@ -16,7 +16,7 @@ from functools import lru_cache
 
 from django.apps import apps as project_apps
 from django.apps.registry import Apps
-from django.db import connections, models, transaction
+from django.db import connections, models, router, transaction
 
 from distlock.exceptions import LockLost, LockSuspended, StaleFencingToken, UnsafeFencingToken
 from distlock.lease import Lease
@@ -156,7 +156,8 @@ class FencedStore:
 
     def _rejection_log(self):
         rejection = project_apps.get_model("distlock", "FencingRejection")
-        return rejection._base_manager.using(self.database).filter(model_label=self.model_label)
+        # Logged where the routers keep distlock's tables, not necessarily on the store's database.
+        return rejection._base_manager.using(router.db_for_write(rejection)).filter(model_label=self.model_label)
 
     def rejection_rows(self, pks):
         """Return how many refusals of writes to rows ``pks`` the store logged in ``FencingRejection``."""

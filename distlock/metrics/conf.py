@@ -3,8 +3,10 @@
 import math
 from dataclasses import dataclass, fields
 
+from django.apps import apps
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
+from django.db import router
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
@@ -24,8 +26,9 @@ class MetricsSettings:
     #: Seconds of per-minute history kept (the chart, the recent window); older minutes are folded
     #: into the since-start totals so the table stays small.
     history: float = 86400
-    #: The database holding the shared store (PostgreSQL or SQLite).
-    database: str = "default"
+    #: The database holding the shared store (PostgreSQL or SQLite); by default the one the database
+    #: routers write ``MetricSample`` to (``default`` without routers).
+    database: str | None = None
 
 
 #: Option name -> (accepted types, extra check returning an error or None).
@@ -65,6 +68,8 @@ def load():
         if problem:
             raise ImproperlyConfigured(f"settings.DISTLOCK_METRICS['{key}'] {problem}, got {value!r}.")
         values[field.name] = value
+    if "database" not in values:
+        values["database"] = router.db_for_write(apps.get_model("distlock", "MetricSample"))
     loaded = MetricsSettings(**values)
     if loaded.recent_window > loaded.history:
         raise ImproperlyConfigured(
@@ -85,5 +90,5 @@ def get():
 @receiver(setting_changed, dispatch_uid="distlock.metrics.conf.reset")
 def _reset(*, setting, **kwargs):
     global _current  # noqa: PLW0603
-    if setting in ("DISTLOCK_METRICS", "DATABASES"):
+    if setting in ("DISTLOCK_METRICS", "DATABASES", "DATABASE_ROUTERS"):
         _current = None
