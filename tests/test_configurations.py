@@ -1,17 +1,23 @@
 """Django configurations real projects have: USE_TZ=False, with times still aware UTC inside distlock."""
 
 import json
+import os
+import subprocess
+import sys
+import uuid
 from datetime import datetime, timedelta, timezone
 from io import StringIO
 
 import pytest
 from django.core.management import call_command
+from django.db import connections
 
 import distlock
 from distlock.handler import locks
 from distlock.models import FencingRejection
 from tests.conftest import require_alias
 from tests.test_admin import PAGE, lock_row
+from tests.workers import ROOT
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
@@ -115,3 +121,56 @@ def test_with_distlock_routed_to_its_own_database_rejections_land_and_show_there
     out = StringIO()
     call_command("distlock", "stats", stdout=out)
     assert admin_client.get(PAGE).status_code == 200
+
+
+GENERATED_SETTINGS = """
+SECRET_KEY = "generated"
+USE_TZ = True
+INSTALLED_APPS = ["django.contrib.contenttypes", "django.contrib.auth", "distlock", "lockuser"]
+DATABASES = {{"default": {{"ENGINE": "django.db.backends.postgresql", "HOST": "{host}", "PORT": "{port}",
+                         "USER": "postgres", "NAME": "{name}", "TEST": {{"NAME": "test_{name}"}}}}}}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+"""
+
+GENERATED_TESTS = """
+import threading
+
+from django.test import TransactionTestCase
+
+import distlock
+
+
+class LockTests(TransactionTestCase):
+    def test_locks_from_two_threads(self):
+        with distlock.lock("generated:one", ttl=10):
+            pass
+        thread = threading.Thread(target=lambda: distlock.acquire("generated:two", ttl=10).release())
+        thread.start()
+        thread.join()
+"""
+
+
+@pytest.mark.slow
+def test_manage_py_test_on_postgresql_exits_0_and_drops_its_database(tmp_path):
+    """A project whose tests take database locks on PostgreSQL: the test database is dropped at the end."""
+    require_alias("postgres")
+    host, port = os.environ["DISTLOCK_TEST_PG"].rsplit(":", 1)
+    name = f"generated_{uuid.uuid4().hex[:8]}"
+    (tmp_path / "generated").mkdir()
+    (tmp_path / "generated" / "__init__.py").write_text("")
+    (tmp_path / "generated" / "settings.py").write_text(GENERATED_SETTINGS.format(host=host, port=port, name=name))
+    (tmp_path / "lockuser").mkdir()
+    (tmp_path / "lockuser" / "__init__.py").write_text("")
+    (tmp_path / "lockuser" / "tests.py").write_text(GENERATED_TESTS)
+    (tmp_path / "manage.py").write_text(
+        "import sys\nfrom django.core.management import execute_from_command_line\nexecute_from_command_line(sys.argv)\n")
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "generated.settings", "PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    process = subprocess.run([sys.executable, "manage.py", "test", "--noinput", "lockuser"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=120)
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_database WHERE datname = %s", [f"test_{name}"])
+        left_behind = cursor.fetchone()[0]
+        if left_behind:
+            cursor.execute(f'DROP DATABASE IF EXISTS "test_{name}" WITH (FORCE)')
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert not left_behind, "the test database was left behind"

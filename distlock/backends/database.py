@@ -25,6 +25,8 @@ from datetime import timezone as dt_timezone
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, ProgrammingError, connections
+from django.db.backends.base.base import NO_DB_ALIAS
+from django.db.backends.signals import connection_created
 from django.db.utils import load_backend
 from django.utils import timezone
 
@@ -469,6 +471,7 @@ class DatabaseBackend(BaseLockBackend):
         self.vendor = _engine_vendor(settings.DATABASES[self.database]["ENGINE"])
         self._dialect = DIALECTS[self.vendor]()
         self._pool = _ConnectionPool(self._new_connection, self.settings["MAX_CONNECTIONS"])
+        connection_created.connect(self._close_before_database_maintenance, weak=True)
 
     @classmethod
     def check_combination(cls, alias, options):
@@ -519,6 +522,16 @@ class DatabaseBackend(BaseLockBackend):
     def close(self):
         self._pool.close()
         self._dialect.close()
+
+    def _close_before_database_maintenance(self, *, connection, **kwargs):
+        """Close the idle connections when Django connects to no database in particular (``NO_DB_ALIAS``).
+
+        Django does so to create or drop a test database: idle connections of ours to it made the
+        DROP fail ("is being accessed by other users"), and ``manage.py test`` exit 1. The next lock
+        call reconnects.
+        """
+        if connection.alias == NO_DB_ALIAS and connection.vendor == self.vendor:
+            self._pool.close()
 
     # -- running the protocol ----------------------------------------------------------------------
 
