@@ -150,6 +150,37 @@ def jain_index(counts):
     return total * total / (len(counts) * sum(count * count for count in counts)) if total else 0.0
 
 
+def wait_until_ready(workers):
+    """Wait for each bench worker's "ready" line; raise with its stderr if one failed to start."""
+    for worker in workers:
+        line = worker.stdout.readline()
+        if line.strip() != "ready":
+            raise RuntimeError(f"bench worker failed to start:\n{line}{worker.stderr.read()[-4000:]}")
+
+
+def run_schedule(workers, slots, slot_seconds):
+    """Send every worker the schedule ``slots`` (JSON-able dicts); return each worker's last JSON line."""
+    schedule = json.dumps(slots)
+    for worker in workers:
+        worker.stdin.write(schedule + "\n")
+        worker.stdin.flush()
+    reports = []
+    for worker in workers:
+        out, err = worker.communicate(timeout=len(slots) * slot_seconds + 120)
+        if worker.returncode != 0:
+            raise RuntimeError(f"bench worker exited with {worker.returncode}:\n{err[-4000:]}")
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    return reports
+
+
+def stop_workers(workers):
+    """Kill the workers still running (after a failure)."""
+    for worker in workers:
+        if worker.poll() is None:
+            worker.kill()
+            worker.communicate()
+
+
 def contended(specs, *, processes=4, seconds=2.0, rounds=3, gap=0.5, hold_ms=0.0):
     """Return ``{label: Contended}``: ``processes`` workers contend for one key per round, contenders interleaved.
 
@@ -158,31 +189,16 @@ def contended(specs, *, processes=4, seconds=2.0, rounds=3, gap=0.5, hold_ms=0.0
     """
     workers = [_spawn_worker(specs, hold_ms) for _ in range(processes)]
     try:
-        for worker in workers:
-            line = worker.stdout.readline()
-            if line.strip() != "ready":
-                raise RuntimeError(f"bench worker failed to start:\n{line}{worker.stderr.read()[-4000:]}")
+        wait_until_ready(workers)
         begin = time.monotonic_ns() + int(0.2e9)
         slots, step = [], int((seconds + gap) * 1e9)
         for index in range(rounds * len(specs)):
             spec = specs[index % len(specs)]
             start = begin + index * step
             slots.append(Slot(spec.label, f"bench:contended:{uuid.uuid4().hex}", start, start + int(seconds * 1e9)))
-        schedule = json.dumps([slot.__dict__ for slot in slots])
-        for worker in workers:
-            worker.stdin.write(schedule + "\n")
-            worker.stdin.flush()
-        reports = []
-        for worker in workers:
-            out, err = worker.communicate(timeout=len(slots) * (seconds + gap) + 120)
-            if worker.returncode != 0:
-                raise RuntimeError(f"bench worker exited with {worker.returncode}:\n{err[-4000:]}")
-            reports.append(json.loads(out.strip().splitlines()[-1]))
+        reports = run_schedule(workers, [slot.__dict__ for slot in slots], seconds + gap)
     finally:
-        for worker in workers:
-            if worker.poll() is None:
-                worker.kill()
-                worker.communicate()
+        stop_workers(workers)
     results = {spec.label: Contended(spec.label) for spec in specs}
     for index, slot in enumerate(slots):
         _score(results[slot.label], slot, [report[index] for report in reports])

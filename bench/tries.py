@@ -38,6 +38,7 @@ import uuid
 from django.conf import settings
 
 from bench import run_standalone
+from bench.harness import run_schedule, stop_workers, wait_until_ready
 
 #: The alias every other alias's grant rate is compared with.
 REFERENCE = "redis"
@@ -74,10 +75,7 @@ def measure(aliases, *, processes=2, threads=20, seconds=2.0, rounds=2, hold_ms=
     config = {"aliases": aliases, "threads": threads, "hold_ms": hold_ms, "ttl": ttl}
     workers = [_spawn_worker({**config, "index": index}) for index in range(processes)]
     try:
-        for worker in workers:
-            line = worker.stdout.readline()
-            if line.strip() != "ready":
-                raise RuntimeError(f"bench worker failed to start:\n{line}{worker.stderr.read()[-4000:]}")
+        wait_until_ready(workers)
         begin = time.monotonic_ns() + int(0.3e9)
         step = int((seconds + gap) * 1e9)
         slots = []
@@ -88,20 +86,9 @@ def measure(aliases, *, processes=2, threads=20, seconds=2.0, rounds=2, hold_ms=
             start = begin + index * step
             slots.append({"alias": alias, "name": f"bench:tries:{uuid.uuid4().hex}", "processes": active_processes,
                           "threads": active_threads, "start": start, "end": start + int(seconds * 1e9)})
-        for worker in workers:
-            worker.stdin.write(json.dumps(slots) + "\n")
-            worker.stdin.flush()
-        reports = []
-        for worker in workers:
-            out, err = worker.communicate(timeout=len(slots) * (seconds + gap) + 120)
-            if worker.returncode != 0:
-                raise RuntimeError(f"bench worker exited with {worker.returncode}:\n{err[-4000:]}")
-            reports.append(json.loads(out.strip().splitlines()[-1]))
+        reports = run_schedule(workers, slots, seconds + gap)
     finally:
-        for worker in workers:
-            if worker.poll() is None:
-                worker.kill()
-                worker.communicate()
+        stop_workers(workers)
     figures = {alias: {"contended": [], "alone": []} for alias in aliases}
     for index, slot in enumerate(slots):
         shape = "alone" if slot["threads"] == 1 else "contended"
