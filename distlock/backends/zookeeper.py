@@ -30,6 +30,8 @@ import os
 import queue
 import re
 import signal
+import socket
+import ssl
 import threading
 import time
 import weakref
@@ -38,6 +40,7 @@ from datetime import datetime, timezone
 from functools import partial
 from urllib.parse import quote, unquote
 
+from django.core.exceptions import ImproperlyConfigured
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import (
     BadVersionError,
@@ -57,6 +60,7 @@ from kazoo.protocol.connection import ConnectionHandler
 from kazoo.protocol.serialization import Connect
 from kazoo.protocol.states import EventType
 from kazoo.retry import KazooRetry
+from kazoo.security import ACL, Id, Permissions, make_digest_acl_credential
 
 from distlock.backends.base import (
     NOTIFICATIONS,
@@ -72,6 +76,7 @@ from distlock.backends.base import (
 )
 from distlock.exceptions import BackendUnavailable, LockNotAcquired
 from distlock.holder import holder_record, new_owner
+from distlock.redaction import REDACTED, redact
 
 logger = logging.getLogger("distlock.backends.zookeeper")
 
@@ -327,6 +332,190 @@ def _valid_root(value):
     return None
 
 
+# -- Security options (AUTH_DATA, DEFAULT_ACL, TLS) --------------------------------------------------
+#
+# Passed to KazooClient as kazoo names them (auth_data, default_acl, use_ssl, ca, certfile, keyfile,
+# keyfile_password, verify_certs). kazoo gives ``default_acl`` to every create that names no ACL, and
+# this module names none: ROOT, lock parents and contenders all carry it. Who may delete a contender is
+# decided by its parent's ACL (ZooKeeper checks DELETE on the parent), so the parent's ACL is what
+# keeps other clients from deleting holders' znodes or planting children.
+#
+# Secrets (the credentials of AUTH_DATA, a digest ACL's password and hash, KEYFILE_PASSWORD) are kept
+# as ``_Secret`` strings: the string itself for kazoo and the server, ``'***'`` in every repr. kazoo
+# logs each request it sends at DEBUG with its repr ("Sending request(xid=None): Auth(auth_type=0,
+# scheme='digest', auth=...)"), and the cleaned options are shown wherever settings are. Option errors
+# describe the shape of a bad value, never the value.
+
+#: ZooKeeper's permission names, as DEFAULT_ACL's dict form spells them ("all": every one).
+PERMISSIONS = {"read": Permissions.READ, "write": Permissions.WRITE, "create": Permissions.CREATE,
+               "delete": Permissions.DELETE, "admin": Permissions.ADMIN}
+
+#: Permissions that let a client change the lock znodes (not just read them).
+_WRITING = Permissions.WRITE | Permissions.CREATE | Permissions.DELETE
+
+
+class _Secret(str):
+    """A credential: the string itself wherever it is used, ``'***'`` in every repr."""
+
+    __slots__ = ()
+
+    def __repr__(self):
+        return repr(REDACTED)
+
+
+def _shape(value):
+    """Describe ``value`` by its type (and length), never its content: it may hold a secret."""
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)} item(s): ({', '.join(type(v).__name__ for v in value)})"
+    return f"a {type(value).__name__}"
+
+
+class _SecretOption(Option):
+    """An option that may hold a credential: ``parse`` cleans it, and an error describes its shape only.
+
+    ``parse(value)`` returns the cleaned value or raises ``ValueError`` with a message that quotes no
+    part of the value.
+    """
+
+    def __init__(self, parse, *, expected):
+        super().__init__(object, parse(None), expected=expected)
+        self._parse = parse
+
+    def clean(self, alias, name, value):
+        try:
+            return self._parse(value)
+        except ValueError as exc:
+            raise ImproperlyConfigured(
+                f"DISTLOCK['{alias}']['OPTIONS']['{name}'] must be {self.expected}; {exc} (the value is not "
+                "shown: it may hold a secret)."
+            ) from None
+
+
+def _clean_auth_data(value):
+    """Return AUTH_DATA as a tuple of (scheme, secret credential) pairs."""
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"got {_shape(value)}")
+    pairs = []
+    for index, pair in enumerate(value):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2
+                and all(isinstance(part, str) and part for part in pair)):
+            raise ValueError(f"item {index} is {_shape(pair)}, not a (scheme, credential) pair of non-empty strings")
+        scheme, credential = pair
+        if scheme == "sasl":
+            raise ValueError(f'item {index} uses the "sasl" scheme, which kazoo no longer takes in auth_data')
+        pairs.append((scheme, _Secret(credential)))
+    return tuple(pairs)
+
+
+def _permissions(value, index):
+    if value == "all":
+        return Permissions.ALL
+    if (isinstance(value, (list, tuple)) and value
+            and all(isinstance(name, str) and name in PERMISSIONS for name in value)):
+        perms = 0
+        for name in value:
+            perms |= PERMISSIONS[name]
+        return perms
+    raise ValueError(f'entry {index}: "perms" must be "all" or a list of {", ".join(PERMISSIONS)}')
+
+
+def _clean_acl_entry(entry, index):
+    if isinstance(entry, ACL):
+        if not (isinstance(entry.perms, int) and 0 < entry.perms <= Permissions.ALL and isinstance(entry.id, Id)
+                and isinstance(entry.id.scheme, str) and isinstance(entry.id.id, str)):
+            raise ValueError(f"entry {index} is a malformed kazoo ACL")
+        scheme, identity, perms = entry.id.scheme, entry.id.id, entry.perms
+    elif isinstance(entry, dict):
+        keys = set(entry)
+        if not ({"scheme", "perms"} <= keys <= {"scheme", "perms", "id", "credential"}) or len(keys) != 3:
+            # The keys themselves are not quoted: a misplaced credential could be one.
+            raise ValueError(f'entry {index} is a dict of {len(keys)} key(s); give exactly "scheme", "perms", and '
+                             '"id" or (digest only) "credential"')
+        scheme, perms = entry["scheme"], _permissions(entry["perms"], index)
+        if not isinstance(scheme, str) or not scheme:
+            raise ValueError(f'entry {index}: "scheme" must be a non-empty str')
+        if "credential" in entry:
+            credential = entry["credential"]
+            if scheme != "digest" or not isinstance(credential, str) or ":" not in credential:
+                raise ValueError(f'entry {index}: "credential" goes with the "digest" scheme, as a '
+                                 '"user:password" str')
+            identity = make_digest_acl_credential(*credential.split(":", 1))
+        else:
+            identity = entry["id"]
+            if not isinstance(identity, str):
+                raise ValueError(f'entry {index}: "id" must be a str, not {_shape(identity)}')
+    else:
+        raise ValueError(f"entry {index} is {_shape(entry)}, neither a kazoo ACL nor a dict")
+    if scheme == "digest":
+        identity = _Secret(identity)  # "user:<hash of the password>": a hash is still a secret
+    return ACL(perms, Id(scheme, identity))
+
+
+def _clean_default_acl(value):
+    """Return DEFAULT_ACL as a tuple of kazoo ``ACL`` objects, None if not set (kazoo's open ACL)."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"got {_shape(value)}")
+    return tuple(_clean_acl_entry(entry, index) for index, entry in enumerate(value))
+
+
+def _clean_keyfile_password(value):
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"got {_shape(value)}")
+    return _Secret(value)
+
+
+def _valid_path(value):
+    return None if value is None or os.fspath(value) else "must be a file path, not empty"
+
+
+def _is_open(acl):
+    """Return True if ``acl`` (cleaned DEFAULT_ACL) is missing or lets anyone change the znodes."""
+    return not acl or any(entry.id.scheme == "world" and entry.perms & _WRITING for entry in acl)
+
+
+def _tls_connection(address, hostname=None, timeout=None, *, ca=None, certfile=None, keyfile=None,
+                    keyfile_password=None, verify_certs=True, **_):
+    """Return a TLS socket connected to ``address``: kazoo's ``create_connection`` under ``USE_SSL``.
+
+    It differs from kazoo's (``kazoo.handlers.utils.create_tcp_connection``) in two ways. A failed
+    handshake closes its socket; kazoo drops it unclosed, once per retry against a server that refuses
+    the certificate. And with ``CA`` set only that CA is trusted; kazoo adds the system's store, where,
+    as it checks no host names, a certificate any public CA issued for any name would pass. Without
+    ``CA``, the system store is used and the certificate must name the host as written in ``HOSTS``.
+    Under gevent or eventlet, ``socket`` is the patched module. Called on kazoo's connection thread.
+    """
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if ca:
+        context.load_verify_locations(ca)
+    else:
+        context.load_default_certs(ssl.Purpose.SERVER_AUTH)
+    context.check_hostname = verify_certs and not ca
+    context.verify_mode = ssl.CERT_REQUIRED if verify_certs else ssl.CERT_NONE
+    if certfile and keyfile:
+        context.load_cert_chain(certfile=certfile, keyfile=keyfile, password=keyfile_password)
+    family = socket.getaddrinfo(address[0], address[1], 0, socket.SOCK_STREAM)[0][0]
+    raw = socket.socket(family)
+    try:
+        sock = context.wrap_socket(raw, server_hostname=hostname)
+    except BaseException:
+        raw.close()
+        raise
+    try:
+        sock.settimeout(timeout)
+        sock.connect(address)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class _NegotiatingConnection(ConnectionHandler):
     """kazoo's connection handler, remembering the negotiated session timeout and the last proof of life.
 
@@ -343,10 +532,22 @@ class _NegotiatingConnection(ConnectionHandler):
 
     negotiated_timeout = None
     last_answered_sent = None
+    #: Why the last attempt to connect failed (a TLS handshake, an auth failure), as its repr (holding
+    #: no traceback, whose frames would keep the failed socket alive); None once connected.
+    last_failure = None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._sent_at = {}  # xid -> when it was sent (pings share one xid, one at a time)
+
+    def _connect(self, host, hostip, port):
+        try:
+            result = super()._connect(host, hostip, port)
+        except Exception as exc:
+            self.last_failure = repr(exc)
+            raise
+        self.last_failure = None
+        return result
 
     def _invoke(self, timeout, request, xid=None):
         sent = time.monotonic()
@@ -651,7 +852,65 @@ class ZooKeeperBackend(BaseLockBackend):
         "ROOT": Option(str, ROOT_DEFAULT, check=_valid_root, expected='an absolute znode path such as "/distlock"'),
         "SESSION_TIMEOUT": Option((int, float), 10, check=_valid_session_timeout, expected="a number of seconds"),
         "CONNECTION_TIMEOUT": Option((int, float), 5, check=positive_number, expected="a number of seconds"),
+        # Security (see "Security options" above), named after KazooClient's arguments.
+        "AUTH_DATA": _SecretOption(_clean_auth_data, expected='a list of (scheme, credential) pairs such as '
+                                                             '[("digest", "user:password")]'),
+        "DEFAULT_ACL": _SecretOption(_clean_default_acl, expected='a non-empty list of kazoo ACLs or of dicts such as '
+                                                                 '{"scheme": "digest", "credential": "user:password", '
+                                                                 '"perms": "all"}, or None'),
+        "USE_SSL": Option(bool, False),
+        "CA": Option((str, os.PathLike, type(None)), None, check=_valid_path,
+                     expected="the path of a PEM file of CA certificates, or None"),
+        "CERTFILE": Option((str, os.PathLike, type(None)), None, check=_valid_path,
+                           expected="the path of the client's PEM certificate, or None"),
+        "KEYFILE": Option((str, os.PathLike, type(None)), None, check=_valid_path,
+                          expected="the path of the client's PEM private key, or None"),
+        "KEYFILE_PASSWORD": _SecretOption(_clean_keyfile_password, expected="the password of KEYFILE (a str), or None"),
+        "VERIFY_CERTS": Option(bool, True),
     }
+
+    @classmethod
+    def check_combination(cls, alias, options):
+        where = f"DISTLOCK['{alias}']['OPTIONS']"
+        if not options["USE_SSL"]:
+            ignored = [name for name in ("CA", "CERTFILE", "KEYFILE", "KEYFILE_PASSWORD") if options[name] is not None]
+            ignored += [] if options["VERIFY_CERTS"] else ["VERIFY_CERTS"]
+            if ignored:
+                raise ImproperlyConfigured(f"{where} sets {', '.join(ignored)}, which only apply with USE_SSL True: "
+                                           "set USE_SSL, or remove them.")
+        if (options["CERTFILE"] is None) != (options["KEYFILE"] is None):
+            raise ImproperlyConfigured(f"{where} must set CERTFILE and KEYFILE together: kazoo presents a client "
+                                       "certificate only with both.")
+        if options["KEYFILE_PASSWORD"] is not None and options["KEYFILE"] is None:
+            raise ImproperlyConfigured(f"{where} sets KEYFILE_PASSWORD without KEYFILE.")
+
+    @classmethod
+    def security_warnings(cls, alias, options):
+        """Warn when znodes are open to any client that reaches the ensemble, or TLS trusts anyone."""
+        warnings = []
+        acl_protects = bool(options["AUTH_DATA"]) and not _is_open(options["DEFAULT_ACL"])
+        if not options["USE_SSL"] and not acl_protects:
+            warnings.append(
+                "ZooKeeper znodes are created with the open ACL (world:anyone) and the connection uses no TLS: any "
+                "host that can reach the ensemble can delete holders' znodes (taking their locks) or plant children "
+                "that block a lock. Set AUTH_DATA and a DEFAULT_ACL for those credentials (for example "
+                '[{"scheme": "digest", "credential": "user:password", "perms": "all"}]), or USE_SSL with client '
+                "certificates that the ensemble requires."
+            )
+        elif options["AUTH_DATA"] and _is_open(options["DEFAULT_ACL"]):
+            warnings.append("AUTH_DATA authenticates the session, but DEFAULT_ACL is unset or lets world:anyone "
+                            "write: the lock znodes are open to every client. Set a DEFAULT_ACL for those credentials.")
+        if acl_protects and options["ROOT"].count("/") == 1:
+            warnings.append(
+                f"ROOT {options['ROOT']!r} sits directly under \"/\", which ZooKeeper leaves open: while no lock is "
+                "held, a client without the credentials can delete it and make it again with the open ACL, then "
+                "delete holders' znodes. Use a ROOT two levels deep such as \"/distlock/locks\": the backend creates "
+                "both levels with DEFAULT_ACL, and never deletes ROOT, so neither can be deleted by others."
+            )
+        if options["USE_SSL"] and not options["VERIFY_CERTS"]:
+            warnings.append("VERIFY_CERTS is False: the TLS connection accepts any server certificate, so anyone on "
+                            "the path can pose as the ensemble. Set CA to the ensemble's CA and keep VERIFY_CERTS.")
+        return warnings
 
     def __init__(self, alias, options):
         super().__init__(alias, options)
@@ -686,9 +945,13 @@ class ZooKeeperBackend(BaseLockBackend):
         """Return the kazoo client once connected, waiting until ``io_deadline``; raise ``BackendUnavailable``."""
         client = self._client or self._start_client()
         if not self._connected.wait(max(io_deadline - time.monotonic(), 0)):
+            failure = client._connection.last_failure
+            failure = f" The last attempt failed with {redact(failure)}." if failure is not None else ""
+            tls = " and that the TLS options (CA, CERTFILE, KEYFILE) fit it" if self.settings["USE_SSL"] else ""
             raise BackendUnavailable(
                 f"ZooKeeper alias '{self.alias}' could not connect to {self.settings['HOSTS']} in time; "
-                "check that the ensemble is up and reachable (OPTIONS['CONNECTION_TIMEOUT'] bounds the wait)."
+                f"check that the ensemble is up and reachable{tls} (OPTIONS['CONNECTION_TIMEOUT'] bounds the "
+                f"wait).{failure}"
             )
         return client
 
@@ -696,12 +959,20 @@ class ZooKeeperBackend(BaseLockBackend):
         with self._client_lock:
             if self._client is None:
                 handler = _kazoo_handler(self._green)
+                if self.settings["USE_SSL"]:
+                    handler.create_connection = _tls_connection
                 # A dict would make kazoo build a retry with the threading sleep, which it then refuses
                 # next to a gevent or eventlet handler.
                 client = KazooClient(hosts=self.settings["HOSTS"], timeout=self.settings["SESSION_TIMEOUT"],
                                      handler=handler,
                                      connection_retry=KazooRetry(sleep_func=handler.sleep_func, **RECONNECT),
-                                     command_retry=KazooRetry(sleep_func=handler.sleep_func))
+                                     command_retry=KazooRetry(sleep_func=handler.sleep_func),
+                                     auth_data=list(self.settings["AUTH_DATA"]) or None,
+                                     default_acl=self.settings["DEFAULT_ACL"],
+                                     use_ssl=self.settings["USE_SSL"], verify_certs=self.settings["VERIFY_CERTS"],
+                                     ca=self.settings["CA"], certfile=self.settings["CERTFILE"],
+                                     keyfile=self.settings["KEYFILE"],
+                                     keyfile_password=self.settings["KEYFILE_PASSWORD"])
                 client._connection = _NegotiatingConnection(client, client._conn_retry.copy(), logger=client.logger)
                 self._expiry = _ExpiryTimer(self._expire, name=f"distlock-zk-expiry:{self.alias}")
                 # A C SimpleQueue would block the whole hub of a green process in the state thread's get().

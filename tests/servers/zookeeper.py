@@ -5,9 +5,15 @@ data dir and log. ``tickTime`` is 250 ms, so the server negotiates session timeo
 (2 ticks) and 5 s (20 ticks): tests see session expiry within seconds. The four-letter words are
 enabled (``srvr``, ``ruok``, ``wchp``...): readiness and ``leader()`` use them, and tests use ``wchp``
 to see who watches what.
+
+Secured instances: ``TlsMaterial`` makes a throwaway CA and certificates with ``openssl`` in the
+test's directory; a member given it also listens on a TLS-only ``secureClientPort`` (Netty, PEM
+key and trust stores, client certificates required). Digest auth needs no server setting: ACLs are
+per znode.
 """
 
 import socket
+import subprocess
 from pathlib import Path
 
 from tests.servers import Cluster, ClusterMember, free_port
@@ -15,6 +21,8 @@ from tests.servers import Cluster, ClusterMember, free_port
 ZOOKEEPER_JAR = "/usr/share/java/zookeeper.jar"
 #: slf4j -> log4j 1.2, so the server logs to stdout (our log file); zookeeper.jar's manifest brings the rest.
 LOGGING_JARS = ["/usr/share/java/slf4j-log4j12.jar", "/usr/share/java/log4j-1.2.jar"]
+#: Netty's codec and resolver, which the TLS client port (Netty) needs and zookeeper.jar's manifest leaves out.
+NETTY_JARS = ["/usr/share/java/netty-codec.jar", "/usr/share/java/netty-resolver.jar"]
 
 TICK_MS = 250
 
@@ -39,6 +47,65 @@ def four_letter_word(port, command, timeout=2.0):
     return b"".join(chunks).decode(errors="replace")
 
 
+def openssl(*args, cwd):
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+class TlsMaterial:
+    """A throwaway CA, a server certificate for 127.0.0.1 and a client certificate, made by ``openssl``.
+
+    The client's key is encrypted with ``key_password``. ``other_ca`` signed nothing here: a client
+    that trusts it must refuse the server.
+    """
+
+    key_password = "client-key-pass"
+
+    def __init__(self, directory):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.ca = self._path("ca.pem")
+        self.other_ca = self._path("other-ca.pem")
+        #: The server's private key followed by its certificate: ZooKeeper reads it as a PEM key store.
+        self.server_keystore = self._path("server-keystore.pem")
+        self.client_cert = self._path("client.pem")
+        self.client_key = self._path("client.key")
+        ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2"]
+        for name, subject in (("ca", "distlock test CA"), ("other-ca", "distlock unrelated CA")):
+            openssl("req", "-x509", *ec, "-keyout", f"{name}.key", "-out", f"{name}.pem", "-subj", f"/CN={subject}",
+                    cwd=self.directory)
+        (self.directory / "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        openssl("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1", cwd=self.directory)
+        self._sign("server", "-extfile", "server.ext")
+        (self.directory / "server-keystore.pem").write_text(
+            (self.directory / "server.key").read_text() + (self.directory / "server.pem").read_text())
+        openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-aes-256-cbc",
+                "-pass", f"pass:{self.key_password}", "-out", "client.key", cwd=self.directory)
+        openssl("req", "-new", "-key", "client.key", "-passin", f"pass:{self.key_password}", "-out", "client.csr",
+                "-subj", "/CN=distlock test client", cwd=self.directory)
+        self._sign("client")
+
+    def _path(self, name):
+        return str(self.directory / name)
+
+    def _sign(self, name, *extra):
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                "-out", f"{name}.pem", "-days", "2", *extra, cwd=self.directory)
+
+    def server_config(self, secure_port):
+        """The zoo.cfg lines of a TLS-only client port (ZooKeeper passes ``ssl.*`` on as system properties)."""
+        return [
+            f"secureClientPort={secure_port}",
+            "secureClientPortAddress=127.0.0.1",
+            "serverCnxnFactory=org.apache.zookeeper.server.NettyServerCnxnFactory",
+            "authProvider.x509=org.apache.zookeeper.server.auth.X509AuthenticationProvider",
+            f"ssl.keyStore.location={self.server_keystore}",
+            "ssl.keyStore.type=PEM",
+            f"ssl.trustStore.location={self.ca}",
+            "ssl.trustStore.type=PEM",
+            "ssl.clientAuth=need",
+        ]
+
+
 class ZooKeeperMember(ClusterMember):
     """One member of an ensemble. ``ready()`` means the process answers; ``healthy`` means it is in a quorum.
 
@@ -46,8 +113,11 @@ class ZooKeeperMember(ClusterMember):
     members one by one and wait for the quorum separately with ``ZooKeeperEnsemble.wait_healthy()``.
     """
 
-    def __init__(self, myid, client_port, servers, workdir):
+    def __init__(self, myid, client_port, servers, workdir, *, tls=None):
         self.myid = myid
+        #: A ``TlsMaterial``: the member also serves TLS clients on ``secure_port``.
+        self.tls = tls
+        self.secure_port = free_port() if tls else None
         #: "server.N=127.0.0.1:peer:election" lines of the whole ensemble, shared by every member.
         self.servers = servers
         super().__init__(f"zookeeper-{myid}", client_port, workdir)
@@ -78,11 +148,12 @@ class ZooKeeperMember(ClusterMember):
             "autopurge.snapRetainCount=3",
             "autopurge.purgeInterval=1",
             *self.servers,
+            *(self.tls.server_config(self.secure_port) if self.tls else []),
             "",
         ]))
 
     def command(self):
-        classpath = ":".join([str(self.conf_dir), ZOOKEEPER_JAR, *LOGGING_JARS])
+        classpath = ":".join([str(self.conf_dir), ZOOKEEPER_JAR, *LOGGING_JARS, *(NETTY_JARS if self.tls else [])])
         return ["java", "-Xmx256m", "-Xms32m", "-XX:+UseSerialGC", "-Djava.net.preferIPv4Stack=true",
                 "-Dzookeeper.admin.enableServer=false", "-Dlog4j.configuration=log4j.properties",
                 "-cp", classpath, "org.apache.zookeeper.server.quorum.QuorumPeerMain",
@@ -90,6 +161,11 @@ class ZooKeeperMember(ClusterMember):
 
     def ready(self):
         return four_letter_word(self.client_port, "ruok", timeout=0.5) == "imok"
+
+    @property
+    def secure_address(self):
+        """The TLS client address, "127.0.0.1:port" (members started with ``tls`` only)."""
+        return f"127.0.0.1:{self.secure_port}"
 
     def command_reply(self, word):
         """Return this member's reply to a four-letter word ("" if it does not answer)."""
@@ -117,12 +193,12 @@ class ZooKeeperEnsemble(Cluster):
 
     service = "ZooKeeper"
 
-    def __init__(self, workdir, size=3):
+    def __init__(self, workdir, size=3, *, tls=None):
         self.workdir = Path(workdir)
         ports = [(free_port(), free_port(), free_port()) for _ in range(size)]
         servers = [f"server.{i}=127.0.0.1:{peer}:{election}" for i, (_, peer, election) in enumerate(ports, 1)]
         self.members = [
-            ZooKeeperMember(i, client, servers, self.workdir / f"member-{i}")
+            ZooKeeperMember(i, client, servers, self.workdir / f"member-{i}", tls=tls)
             for i, (client, _, _) in enumerate(ports, 1)
         ]
 
@@ -130,6 +206,11 @@ class ZooKeeperEnsemble(Cluster):
     def hosts(self):
         """The connection string for kazoo: "127.0.0.1:p1,127.0.0.1:p2,127.0.0.1:p3"."""
         return ",".join(member.address for member in self.members)
+
+    @property
+    def secure_hosts(self):
+        """The TLS connection string (an ensemble started with ``tls``)."""
+        return ",".join(member.secure_address for member in self.members)
 
 
 def start_zookeeper(tmp):
