@@ -11,6 +11,12 @@ def ids(errors):
     return [error.id for error in errors]
 
 
+@pytest.fixture(autouse=True)
+def _debug(settings):
+    """DEBUG on, as in development: the checks here are errors; distlock.W001 (DEBUG off) is tested per backend."""
+    settings.DEBUG = True
+
+
 def test_the_test_settings_pass(settings):
     assert check_distlock_setting() == []
 
