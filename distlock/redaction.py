@@ -9,9 +9,10 @@ import re
 
 #: The user-info of a URL: everything between ``scheme://`` and the last ``@`` of the authority.
 _USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s'\"]*@")
-#: Query parameters that carry a secret (redis-py passes any query parameter on as a keyword).
-_SECRET_PARAMETER = re.compile(r"(?P<key>[?&;](?:password|passwd|pwd|pass|token|secret|auth)=)[^&#\s'\"]*",
-                               re.IGNORECASE)
+#: Query parameters that carry a secret (redis-py passes any query parameter on as a keyword), such as
+#: ``password``, ``ssl_password`` (a key file's passphrase) or ``token``.
+_SECRET_PARAMETER = re.compile(
+    r"(?P<key>[?&;](?:\w*(?:password|passwd|pwd|token|secret)|pass|auth)=)[^&#\s'\"]*", re.IGNORECASE)
 
 REDACTED = "***"
 

@@ -23,6 +23,7 @@ SECRET = "s3cret-Pa55"
     ("redis://user:p@ss@host/0", "redis://***@host/0"),  # an unencoded @ in the password
     ("unix://:s3cret@/run/redis.sock?db=1", "unix://***@/run/redis.sock?db=1"),
     ("redis://host:6379/0?password=s3cret&db=1", "redis://host:6379/0?password=***&db=1"),
+    ("rediss://h/0?ssl_keyfile=k.pem&ssl_password=s3cret", "rediss://h/0?ssl_keyfile=k.pem&ssl_password=***"),
     ("failed: redis://u:s3cret@a:1/0, redis://u:s3cret@b:2/0.", "failed: redis://***@a:1/0, redis://***@b:2/0."),
     ("redis://127.0.0.1:6379/0 refused", "redis://127.0.0.1:6379/0 refused"),
     ("user@example.com wrote", "user@example.com wrote"),

@@ -25,6 +25,7 @@ once: use ``FencedModel``) but never the token order, as long as the server cloc
 """
 
 import collections
+import inspect
 import json
 import logging
 import math
@@ -47,9 +48,10 @@ from distlock.backends.base import (
     Option,
     positive_number,
 )
-from distlock.backends.redis_servers import redis_server
+from distlock.backends.redis_servers import redis_server, tls_problem, unsecured
 from distlock.exceptions import BackendUnavailable
 from distlock.holder import holder_record
+from distlock.redaction import redact
 
 logger = logging.getLogger("distlock.redis")
 
@@ -218,11 +220,20 @@ WAITER_REFRESH = WAITER_TTL / 3
 MIN_CALL_TIMEOUT = 0.1
 #: Keys fetched per ``SCAN`` round trip in ``held_locks()``.
 SCAN_COUNT = 500
+#: Most idle connections an alias with its own pool (``URL``) keeps between calls; more go back to
+#: the pool. A ``CACHE`` alias keeps none: the cache's pool gets every connection back after each call.
+MAX_IDLE = 8
 
 #: Server errors meaning "this server cannot take locks now" (-> ``BackendUnavailable``); any other
 #: error reply is a bug or a foreign key under our prefix (-> ``RuntimeError``).
 _UNUSABLE_SERVER_REPLIES = ("OOM", "MISCONF", "READONLY", "read only replica", "NOREPLICAS", "BUSY", "LOADING",
-                            "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "NOPERM", "NOAUTH")
+                            "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "NOPERM", "NOAUTH", "WRONGPASS")
+#: The codes of those errors by redis-py's class: before redis-py 5 an error reply's code ("OOM",
+#: "READONLY", ...) went into the class and out of the message, and there is no ``status_code``.
+_UNUSABLE_SERVER_ERRORS = {getattr(redis.exceptions, name): code for name, code in (
+    ("OutOfMemoryError", "OOM"), ("ReadOnlyError", "READONLY"), ("BusyLoadingError", "LOADING"),
+    ("NoPermissionError", "NOPERM"), ("MasterDownError", "MASTERDOWN"), ("TryAgainError", "TRYAGAIN"),
+    ("AuthenticationError", "NOAUTH")) if hasattr(redis.exceptions, name)}
 
 
 class _Script:
@@ -240,10 +251,18 @@ _EXTEND = _Script("extend", EXTEND_SCRIPT)
 _LEAVE = _Script("leave", LEAVE_SCRIPT)
 
 
+#: What redis-py reports when a plain connection meets a TLS-only port (the server drops it).
+_PLAIN_ON_TLS = ("reset by peer", "Connection closed by server")
+
+#: redis-py's TLS keyword arguments, given in a ``rediss://`` URL's query (``from_url`` passes them on).
+TLS_PARAMETERS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname",
+                  "ssl_ca_path", "ssl_password")
+
+
 def _url_problem(value):
     if not value.startswith(("redis://", "rediss://", "unix://")):
         return "must be a redis://, rediss:// or unix:// URL"
-    return None
+    return tls_problem(value)
 
 
 def _text(value):
@@ -256,6 +275,9 @@ class RedisBackend(BaseLockBackend):
     Options: ``URL`` (a redis:// URL) or ``CACHE`` (the alias of a django-redis cache in ``CACHES``,
     whose connection pool is reused; its socket timeouts then come from that cache), ``KEY_PREFIX``,
     ``SOCKET_TIMEOUT`` and ``SOCKET_CONNECT_TIMEOUT`` (seconds, with ``URL`` only).
+
+    TLS and ACL users are the URL's, as redis-py's ``from_url`` reads them:
+    ``rediss://user:password@host:port/db?ssl_ca_certs=/ca.crt&ssl_certfile=...&ssl_keyfile=...&ssl_cert_reqs=required``.
 
     Every call is bounded in time (by the socket timeout, and by the caller's deadline while
     waiting), so a server that is down or frozen gives ``BackendUnavailable``, never a hang.
@@ -303,12 +325,25 @@ class RedisBackend(BaseLockBackend):
 
     @classmethod
     def key_spaces(cls, alias, options):
+        return [(redis_server(url), options["KEY_PREFIX"]) for url in cls._server_urls(options)]
+
+    @classmethod
+    def security_warnings(cls, alias, options):
+        """Warn about each server this alias reaches over the network with neither TLS nor a password."""
+        password = None
+        if options["CACHE"] is not None:
+            cache_options = settings.CACHES.get(options["CACHE"], {}).get("OPTIONS", {})
+            password = cache_options.get("PASSWORD") or cache_options.get("CONNECTION_POOL_KWARGS", {}).get("password")
+        messages = (unsecured(url, password=password) for url in cls._server_urls(options))
+        return [message for message in messages if message]
+
+    @staticmethod
+    def _server_urls(options):
+        """Return the URLs of the servers the alias uses: its ``URL``, or its cache's ``LOCATION``."""
         if options["URL"] is not None:
-            urls = [options["URL"]]
-        else:
-            location = settings.CACHES.get(options["CACHE"], {}).get("LOCATION", [])
-            urls = [location] if isinstance(location, str) else list(location)
-        return [(redis_server(url), options["KEY_PREFIX"]) for url in urls]
+            return [options["URL"]]
+        location = settings.CACHES.get(options["CACHE"], {}).get("LOCATION", [])
+        return [location] if isinstance(location, str) else list(location)
 
     def __init__(self, alias, options):
         super().__init__(alias, options)
@@ -363,10 +398,14 @@ class RedisBackend(BaseLockBackend):
         Fail closed: a server that cannot be reached or cannot take locks now is ``BackendUnavailable``;
         any other error reply is a bug, or a foreign key under our prefix.
         """
+        message = redact(exc)
         if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, OSError)):
-            return BackendUnavailable(f"Redis of lock alias '{self.alias}' failed during {operation}: {exc}")
-        message = str(exc)
-        status = getattr(exc, "status_code", None) or ""
+            hint = ""
+            url = self.settings["URL"]
+            if url is not None and url.startswith("redis://") and any(s in message for s in _PLAIN_ON_TLS):
+                hint = " (if the server takes TLS connections only, use a rediss:// URL)"
+            return BackendUnavailable(f"Redis of lock alias '{self.alias}' failed during {operation}: {message}{hint}")
+        status = getattr(exc, "status_code", None) or _UNUSABLE_SERVER_ERRORS.get(type(exc), "")
         if any(reply in message or reply == status for reply in _UNUSABLE_SERVER_REPLIES):
             return BackendUnavailable(f"Redis of lock alias '{self.alias}' refused {operation}: {status} {message}")
         return RuntimeError(
@@ -522,11 +561,14 @@ class RedisBackend(BaseLockBackend):
 
 
 class _Connections:
-    """Connections taken from a redis-py pool, kept on a stack of idle ones between calls.
+    """Connections taken from a redis-py pool, a few kept on a stack of idle ones between calls.
 
     The pool's own checkout probes every connection with a non-blocking read and records
     observability counters, which costs about as much as a loopback round trip. Keeping idle
-    connections here skips that. A connection the server closed while it sat idle (a restart, an
+    connections here skips that, for a pool of our own (``URL``): at most ``MAX_IDLE`` of them, the
+    others go back to the pool. A pool shared with a cache (``CACHE``) gets every connection back
+    after each call, so the cache never runs short of connections (its ``max_connections``) because
+    distlock sits on them. A connection the server closed while it sat idle (a restart, an
     idle timeout) is found on first use instead, and the command is sent once more on a fresh
     connection. That is safe because every command distlock sends may run twice: the acquire script
     reports its own earlier grant again, extend and leave are idempotent, reads are reads; a release
@@ -539,8 +581,13 @@ class _Connections:
         #: True if the pool is ours (``URL``) and is disconnected on close; a cache's pool is left open.
         self.owned = owned
         self.socket_timeout = pool.connection_kwargs.get("socket_timeout")
+        #: How many idle connections are kept here rather than given back to the pool.
+        self.max_idle = MAX_IDLE if owned else 0
         self._idle = collections.deque()  # append/pop are atomic: no lock on the fast path
         self._pid = os.getpid()
+        # redis-py before 5 requires a command name, which 8 deprecates (distlock's pools ignore it).
+        parameter = inspect.signature(pool.get_connection).parameters.get("command_name")
+        self._checkout_args = ("EVALSHA",) if parameter is not None and parameter.default is parameter.empty else ()
 
     def _borrow(self):
         """Return an idle connection and whether it was connected, or a new one from the pool."""
@@ -551,14 +598,25 @@ class _Connections:
         try:
             connection = self._idle.pop()
         except IndexError:
-            return self.pool.get_connection(), False
-        return connection, connection.is_connected
+            return self.pool.get_connection(*self._checkout_args), False
+        return connection, connection._sock is not None
+
+    def _give_back(self, connection):
+        """Keep ``connection`` for the next call if fewer than ``max_idle`` are idle, else return it to the pool.
+
+        Threads returning at the same moment may leave a few more on the stack; they go back the
+        next time one is returned while the stack is full.
+        """
+        if len(self._idle) < self.max_idle:
+            self._idle.append(connection)
+        else:
+            self.pool.release(connection)
 
     def _exchange(self, requests, timeout):
         """Send ``requests`` (packed commands) on one connection; return the list of replies.
 
         An error reply comes back in its place as the ``ResponseError`` instance, after every reply
-        was read. A connection goes back to the idle stack only when every reply was read: one that
+        was read. A connection is used again only when every reply was read: one that
         an exception (a timeout, a lost connection, or a signal handler's exception such as Celery's
         soft time limit) interrupted between the send and the last read is disconnected, since its
         next user would read the leftover replies as its own (a refused acquire read as a grant).
@@ -575,9 +633,9 @@ class _Connections:
                 replies = _send_and_read(connection, requests, timeout)
         except BaseException:
             connection.disconnect()
-            self._idle.append(connection)  # disconnected: its next use connects afresh
+            self._give_back(connection)  # disconnected: its next use connects afresh
             raise
-        self._idle.append(connection)
+        self._give_back(connection)
         return replies
 
     def call(self, request, timeout):
@@ -602,13 +660,37 @@ class _Connections:
             self.pool.disconnect()
 
 
+def _read_bounded(connection, timeout):
+    """Return the next reply, waiting at most ``timeout`` seconds (None: no limit) for it.
+
+    The socket already waits ``socket_timeout``: then there is nothing to change. redis-py 8 bounds
+    one read itself (``read_response(timeout=...)``); before 8 the socket's timeout is set around
+    the read and put back afterwards (on an error redis-py has disconnected: no socket to put back).
+    """
+    if timeout == connection.socket_timeout:
+        return connection.read_response()
+    if _READ_TAKES_TIMEOUT:
+        return connection.read_response(timeout=timeout)
+    sock = connection._sock
+    sock.settimeout(timeout)
+    try:
+        return connection.read_response()
+    finally:
+        if connection._sock is sock:
+            sock.settimeout(connection.socket_timeout)
+
+
+#: True from redis-py 8 on: ``Connection.read_response`` takes a ``timeout`` for one read.
+_READ_TAKES_TIMEOUT = "timeout" in inspect.signature(redis.connection.Connection.read_response).parameters
+
+
 def _send_and_read(connection, requests, timeout):
     """Send ``requests`` in one write and read one reply per request, error replies included."""
     connection.send_packed_command((b"".join(requests),))
     replies = []
     for _ in requests:
         try:
-            replies.append(connection.read_response(timeout=timeout))
+            replies.append(_read_bounded(connection, timeout))
         except redis.ResponseError as error:  # read in full: the next reply is the next request's
             replies.append(error)
     return replies

@@ -7,6 +7,9 @@ name the same server.
 
 from urllib.parse import parse_qs, unquote, urlsplit
 
+#: Accepted values of redis-py's ``ssl_cert_reqs``.
+CERT_REQS = ("none", "optional", "required")
+
 DEFAULT_PORT = 6379
 _LOOPBACK = {"localhost", "127.0.0.1", "::1", "ip6-localhost"}
 
@@ -37,3 +40,34 @@ def describe(server):
         return server[1]
     host = "localhost" if server[1] == "loopback" else server[1]
     return f"{host}:{server[2]}, db {server[3]}"
+
+
+def tls_problem(url):
+    """Return why the TLS parameters of ``url`` cannot work, or None (no I/O: certificate files are not read).
+
+    TLS is redis-py's, from the URL: ``rediss://`` with ``ssl_ca_certs``, ``ssl_certfile``,
+    ``ssl_keyfile``, ``ssl_cert_reqs``... in the query, which ``from_url`` passes on.
+    """
+    query = parse_qs(urlsplit(url).query)
+    given = [name for name in query if name.startswith("ssl_")]
+    if given and not url.startswith("rediss://"):
+        return f"gives {', '.join(given)} but is not a rediss:// URL (redis-py uses TLS only for rediss://)"
+    reqs = query.get("ssl_cert_reqs", ["required"])[0]
+    if reqs not in CERT_REQS:
+        return f"has ssl_cert_reqs={reqs!r}; redis-py takes one of {', '.join(CERT_REQS)}"
+    return None
+
+
+def unsecured(url, *, password=None):
+    """Return a W001 message if ``url`` reaches a server over the network with neither TLS nor a password, else None.
+
+    A unix socket is left alone: only local users that the socket file's permissions let in reach it.
+    """
+    parts = urlsplit(url)
+    if parts.scheme != "redis":
+        return None
+    if password or parts.password or unquote(parse_qs(parts.query).get("password", [""])[0]):
+        return None
+    return (f"the Redis server {describe(redis_server(url))} is reached with neither TLS nor a password: anyone "
+            "who can connect to it can take, release or delete every lock. Use a rediss:// URL (with "
+            "ssl_ca_certs=... in its query) and an ACL user: rediss://user:password@host:port/db.")

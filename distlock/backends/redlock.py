@@ -30,7 +30,7 @@ from django.core.exceptions import ImproperlyConfigured
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from distlock.backends.base import NOTIFICATIONS, BaseLockBackend, Grant, LockInfo, Option, positive_number
-from distlock.backends.redis_servers import redis_server
+from distlock.backends.redis_servers import redis_server, tls_problem, unsecured
 from distlock.exceptions import BackendUnavailable
 from distlock.holder import current_holder
 from distlock.redaction import redact
@@ -152,6 +152,9 @@ def check_urls(urls):
     for url in urls:
         if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
             return f"must contain redis://, rediss:// or unix:// URLs only; {redact(repr(url))} is not one"
+        problem = tls_problem(url)
+        if problem:
+            return f"has a URL that {problem}: {redact(url.split('?', 1)[0])}"
     if len({redis_server(url) for url in urls}) != len(urls):
         return ("must name each master once (localhost and 127.0.0.1 are one server): a master listed twice "
                 "would count twice towards the majority")
@@ -168,6 +171,14 @@ def check_jitter(value):
     if not math.isfinite(value) or value < 0:
         return "must be a finite number of seconds, zero or more"
     return None
+
+
+def tls_hint(master, error):
+    """Return a hint when a plain connection to ``master`` was dropped, as a TLS-only port drops it."""
+    if master.display.startswith("redis://") and isinstance(error, redis.ConnectionError) and any(
+            symptom in str(error) for symptom in ("reset by peer", "Connection closed by server")):
+        return " (if the masters take TLS connections only, use rediss:// URLs)"
+    return ""
 
 
 def is_grant(reply):
@@ -267,8 +278,9 @@ class Master:
     """
 
     def __init__(self, url, timeout):
-        #: The URL as shown in messages, reprs, logs and thread names: without its password.
-        self.display = redact(url)
+        #: The URL as shown in messages, reprs, logs and thread names: without its password, nor its query
+        #: (TLS parameters such as ``ssl_password``, the key file's passphrase).
+        self.display = redact(url.split("?", 1)[0])
         self.pool = redis.ConnectionPool.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
         self.client = redis.Redis(connection_pool=self.pool)
         #: Monotonic time until which the master is left out after a failure (see ``SKIP_FAILED_MASTER``).
@@ -341,7 +353,7 @@ class Master:
         write did arrive: the acquire script reports the caller's own grant again, and a release or
         extend that ran twice only reports 0 the second time.
         """
-        was_connected = connection.is_connected
+        was_connected = connection._sock is not None  # redis-py 8's ``is_connected``, in every release line
         unanswered = list(jobs)
         try:
             try:
@@ -514,6 +526,11 @@ class RedlockBackend(BaseLockBackend):
     def key_spaces(cls, alias, options):
         return [(redis_server(url), options["KEY_PREFIX"]) for url in options["URLS"]]
 
+    @classmethod
+    def security_warnings(cls, alias, options):
+        """Warn about each master reached over the network with neither TLS nor a password."""
+        return [message for message in map(unsecured, options["URLS"]) if message]
+
     def __init__(self, alias, options):
         super().__init__(alias, options)
         settings = self.settings
@@ -595,7 +612,8 @@ class RedlockBackend(BaseLockBackend):
         raise BackendUnavailable(
             f"Redlock alias '{self.alias}' could not {action}: a majority of {self.quorum} of its "
             f"{len(self.masters)} Redis masters must answer within NODE_TIMEOUT={self.node_timeout:g}s, but "
-            f"{len(errors)} failed" + (f" (first: {master.display}: {error})" if errors else "")
+            f"{len(errors)} failed" + (f" (first: {master.display}: {redact(error)}{tls_hint(master, error)})"
+                                       if errors else "")
             + (f" and {silent} did not answer" if silent else "") + "."
         ) from error
 

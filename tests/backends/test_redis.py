@@ -1,18 +1,25 @@
 """What the Redis backend promises beyond the contract: tokens across restarts, fair hand-off, the queue, options."""
 
+import importlib.metadata
 import json
 import os
+import re
 import signal
 import threading
 import time
+import tomllib
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import redis
+from django.core.cache import caches
 from django.core.exceptions import ImproperlyConfigured
 from django_redis import get_redis_connection
+from packaging.requirements import Requirement
 
 import distlock
+from distlock.backends import redis as redis_backend
 from distlock.backends.redis import WAITER_TTL, RedisBackend
 from distlock.checks import check_distlock_setting
 from distlock.handler import locks
@@ -48,6 +55,7 @@ def own_client(own_server):
     client = redis.Redis.from_url(own_server.url)
     yield client
     client.close()
+    client.connection_pool.disconnect()  # redis-py before 5 leaves the pool open
 
 
 def queue_length(client, name):
@@ -74,6 +82,7 @@ def test_token_never_goes_backwards_after_a_restart_without_persistence(own_serv
     fresh = redis.Redis.from_url(own_server.url)
     assert fresh.dbsize() == 0, "the server must come back empty: counter and locks forgotten"
     fresh.close()
+    fresh.connection_pool.disconnect()  # redis-py before 5 leaves the pool open
 
     # The backend's pooled connections died with the server, and the server forgot the scripts:
     # the next acquire reconnects and reloads them without reporting the server down.
@@ -119,6 +128,7 @@ def test_a_releaser_that_comes_straight_back_queues_behind_the_waiter(settings):
             child.kill()
         child.communicate()
         client.close()
+        client.connection_pool.disconnect()  # redis-py before 5 leaves the pool open
 
 
 def test_four_contenders_take_turns(own_alias):
@@ -226,6 +236,7 @@ def test_queue_entry_of_a_dead_waiter_stops_blocking_after_it_expires(settings):
             child.kill()
         child.communicate()
         client.close()
+        client.connection_pool.disconnect()  # redis-py before 5 leaves the pool open
 
 
 # -- listing ------------------------------------------------------------------------------------------
@@ -262,18 +273,63 @@ def test_held_locks_scans_and_matches_the_prefix_literally(own_alias, own_client
 
 # -- connections and errors -------------------------------------------------------------------------
 
-def test_cache_option_reuses_the_django_redis_pool(lock_name):
+def test_cache_option_reuses_the_django_redis_pool(lock_name, monkeypatch):
     alias = require_alias("redis_cache")
     backend = locks[alias]
     cache_client = get_redis_connection(backend.settings["CACHE"])
-    assert backend.pool is cache_client.connection_pool
+    pool = cache_client.connection_pool
+    assert backend.pool is pool
+    returned = []
+    release = pool.release
+    monkeypatch.setattr(pool, "release", lambda connection: (returned.append(connection), release(connection)))
     with distlock.lock(lock_name, ttl=10, using=alias):
         key = f"{backend.settings['KEY_PREFIX']}:lock:{lock_name}"
         assert cache_client.exists(key) == 1, "the lock must live on the cache's server, under KEY_PREFIX"
-        in_use = set(cache_client.connection_pool._in_use_connections)
-        assert in_use, "the backend's connections come from the cache's pool"
+    assert returned, "the backend's connections come from the cache's pool, and go back to it"
     backend.close()
     assert cache_client.ping(), "closing the backend must leave the cache's pool usable"
+
+
+def test_a_cache_alias_gives_every_connection_back_to_the_cache_pool(own_server, settings):
+    """The cache's pool is shared: a connection distlock keeps is one the cache can no longer have."""
+    url = own_server.url.rsplit("/", 1)[0] + "/7"  # django-redis keeps one pool per URL per process: this test's own
+    settings.CACHES = {**settings.CACHES, "small": {
+        "BACKEND": "django_redis.cache.RedisCache", "LOCATION": url,
+        "OPTIONS": {"CONNECTION_POOL_KWARGS": {"max_connections": 1}}}}
+    settings.DISTLOCK = {**settings.DISTLOCK, "small": {
+        "BACKEND": "distlock.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "small", "KEY_PREFIX": PREFIX}}}
+    try:
+        with distlock.lock("shared-pool", ttl=10, using="small"):
+            caches["small"].set("during", 1)  # the call is over: its connection is back in the pool
+        caches["small"].set("after", 1)
+        assert caches["small"].get("after") == 1
+        assert not get_redis_connection("small").connection_pool._in_use_connections
+    finally:
+        locks["small"].close()
+        get_redis_connection("small").connection_pool.disconnect()
+
+
+def test_the_idle_connections_of_an_alias_are_bounded(own_alias, own_client):
+    """A burst of waiters, each blocked on a connection of its own, leaves at most MAX_IDLE connections idle."""
+    backend = locks[own_alias]
+    holder = distlock.acquire("burst", ttl=30, using=own_alias)
+    waiters = redis_backend.MAX_IDLE + 8
+
+    def wait_for_a_turn():
+        with distlock.lock("burst", ttl=10, timeout=30, using=own_alias):
+            pass
+
+    threads = [threading.Thread(target=wait_for_a_turn) for _ in range(waiters)]
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: queue_length(own_client, "burst") == waiters, 10, "every waiter queueing")
+    holder.release()
+    for thread in threads:
+        thread.join()
+    connections = backend._get_connections()
+    assert len(connections._idle) <= redis_backend.MAX_IDLE
+    assert len(connections.pool._in_use_connections) <= redis_backend.MAX_IDLE, "the others went back to the pool"
+    distlock.acquire("burst", ttl=10, blocking=False, using=own_alias).release()
 
 
 def test_frozen_server_gives_backend_unavailable_within_the_timeout(own_server, own_alias):
@@ -378,6 +434,136 @@ def test_an_interrupt_between_send_and_read_never_hands_a_reply_to_the_next_call
     assert held.release() is True
 
 
+# -- redis-py release lines (scripts/redis-py-lines runs this file under each) -----------------------
+
+def test_the_installed_redis_py_is_one_the_package_accepts():
+    extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (requirement,) = [Requirement(spec) for spec in extras["redis"] if Requirement(spec).name == "redis"]
+    assert requirement.specifier.contains(importlib.metadata.version("redis"), prereleases=True)
+
+
+def test_a_read_is_bounded_by_the_call_timeout_below_the_socket_timeout(own_server, own_alias):
+    connections = locks[own_alias]._get_connections()  # SOCKET_TIMEOUT 1
+    assert connections.call(redis_backend._pack(("PING",)), 0.5) in (b"PONG", "PONG", True)
+    (idle,) = connections._idle
+    assert idle._sock.gettimeout() == 1, "the socket's own timeout is put back after a shorter read"
+    own_server.pause()
+    try:
+        started = time.monotonic()
+        with pytest.raises(redis.TimeoutError):
+            connections.call(redis_backend._pack(("PING",)), 0.2)
+        assert time.monotonic() - started < 0.7
+    finally:
+        own_server.resume()
+    assert connections.call(redis_backend._pack(("PING",)), 0.5) in (b"PONG", "PONG", True)
+
+
+# -- TLS and ACL users ----------------------------------------------------------------------------------
+
+TLS_PREFIX = "distlock-tls"
+TLS_PASSWORD = "tls-Secret-4711"
+
+
+@pytest.fixture(scope="module")
+def tls_server():
+    """A private TLS-only redis-server that requires client certificates, with an ACL user for the locks."""
+    with RedisServer(tls=True, password="admin-Secret-1",
+                     users={"locks": (TLS_PASSWORD, f"~{TLS_PREFIX}:* +@all")}) as server:
+        yield server
+
+
+def tls_alias(settings, url, name="tls"):
+    settings.DISTLOCK = {**settings.DISTLOCK, name: {
+        "BACKEND": "distlock.backends.redis.RedisBackend",
+        "OPTIONS": {"URL": url, "KEY_PREFIX": TLS_PREFIX, "SOCKET_TIMEOUT": 1, "SOCKET_CONNECT_TIMEOUT": 1}}}
+    return name
+
+
+def test_tls_with_an_acl_user_round_trip(tls_server, settings):
+    alias = tls_alias(settings, tls_server.url_for("locks", TLS_PASSWORD))
+    assert RedisBackend.security_warnings(alias, RedisBackend.clean_options(alias, settings.DISTLOCK[alias]["OPTIONS"])) == []
+    lease = distlock.acquire("tls", ttl=10, using=alias)
+    with pytest.raises(distlock.LockNotAcquired):
+        distlock.acquire("tls", ttl=10, timeout=0.2, using=alias)  # waits (BLPOP) over TLS, then leaves the queue
+    assert [info.name for info in locks[alias].held_locks()] == ["tls"]
+    admin = redis.Redis.from_url(tls_server.url)
+    try:
+        clients = admin.client_list()
+        assert any(client["user"] == "locks" for client in clients), "the backend connects as the ACL user"
+        assert admin.get(f"{TLS_PREFIX}:lock:tls") is not None
+    finally:
+        admin.close()
+        admin.connection_pool.disconnect()  # redis-py before 5 leaves the pool open
+    assert lease.release() is True
+    distlock.acquire("tls", ttl=10, blocking=False, using=alias).release()
+
+
+def test_a_wrong_password_is_backend_unavailable_without_the_password(tls_server, settings):
+    alias = tls_alias(settings, tls_server.url_for("locks", "Wrong-Pass-0815"), name="tls-wrong")
+    with pytest.raises(distlock.BackendUnavailable, match="tls-wrong") as excinfo:
+        distlock.acquire("tls", ttl=10, blocking=False, using=alias)
+    message = str(excinfo.value)
+    assert "Wrong-Pass-0815" not in message and "invalid username-password" in message
+    assert "Wrong-Pass-0815" not in repr(excinfo.value.__cause__ or "")
+
+
+def test_plain_tcp_against_the_tls_port_fails_clearly(tls_server, settings):
+    url = tls_server.url_for("locks", TLS_PASSWORD, tls_parameters=False).replace("rediss://", "redis://")
+    alias = tls_alias(settings, url, name="tls-plain")
+    started = time.monotonic()
+    with pytest.raises(distlock.BackendUnavailable, match="use a rediss:// URL") as excinfo:
+        distlock.acquire("tls", ttl=10, blocking=False, using=alias)
+    assert time.monotonic() - started < 2.5
+    assert TLS_PASSWORD not in str(excinfo.value)
+
+
+@pytest.mark.parametrize(("url", "message"), [
+    ("redis://127.0.0.1:1/0?ssl_ca_certs=/ca.crt", "ssl_ca_certs but is not a rediss:// URL"),
+    ("rediss://127.0.0.1:1/0?ssl_cert_reqs=yes", "ssl_cert_reqs='yes'"),
+])
+def test_tls_parameters_that_cannot_work_are_refused_without_io(url, message):
+    with pytest.raises(ImproperlyConfigured, match=message):
+        RedisBackend.clean_options("mine", {"URL": url})
+
+
+@pytest.mark.parametrize(("url", "warned"), [
+    ("redis://127.0.0.1:6379/0", True),
+    ("redis://user@127.0.0.1:6379/0", True),  # a user name alone is no password
+    ("redis://:secret@127.0.0.1:6379/0", False),
+    ("redis://locks:secret@127.0.0.1:6379/0", False),
+    ("redis://127.0.0.1:6379/0?password=secret", False),
+    ("rediss://127.0.0.1:6379/0?ssl_ca_certs=/ca.crt", False),
+    ("unix:///run/redis.sock", False),
+])
+def test_security_warnings_name_a_server_reached_without_tls_or_password(url, warned):
+    warnings = RedisBackend.security_warnings("mine", RedisBackend.clean_options("mine", {"URL": url}))
+    assert len(warnings) == warned
+    for warning in warnings:
+        assert "neither TLS nor a password" in warning and "rediss://" in warning
+        assert "secret" not in warning
+
+
+def test_security_warnings_read_the_cache_of_a_cache_alias(settings):
+    settings.CACHES = {**settings.CACHES,
+                       "open": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": "redis://10.0.0.1:6379/1"},
+                       "closed": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": "redis://10.0.0.1:6379/2",
+                                  "OPTIONS": {"PASSWORD": "secret"}}}
+    (warning,) = RedisBackend.security_warnings("mine", RedisBackend.clean_options("mine", {"CACHE": "open"}))
+    assert "10.0.0.1:6379, db 1" in warning
+    assert RedisBackend.security_warnings("mine", RedisBackend.clean_options("mine", {"CACHE": "closed"})) == []
+
+
+def test_the_system_check_warns_about_an_open_alias_with_debug_off(settings):
+    settings.DEBUG = False
+    settings.DISTLOCK = {**settings.DISTLOCK,
+                         "open": {"BACKEND": "distlock.backends.redis.RedisBackend",
+                                  "OPTIONS": {"URL": "redis://10.0.0.1:6379/0", "KEY_PREFIX": "open"}},
+                         "closed": {"BACKEND": "distlock.backends.redis.RedisBackend",
+                                    "OPTIONS": {"URL": "rediss://u:p@10.0.0.1:6379/0", "KEY_PREFIX": "closed"}}}
+    warnings = [error for error in check_distlock_setting() if error.id == "distlock.W001"]
+    assert [re.match(r"DISTLOCK\['(\w+)'\]", warning.msg)[1] for warning in warnings if "10.0.0.1" in warning.msg] == ["open"]
+
+
 # -- options --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -400,7 +586,8 @@ def test_options_are_checked_without_io(settings):
     settings.DISTLOCK = {**settings.DISTLOCK, "nowhere": {
         "BACKEND": "distlock.backends.redis.RedisBackend", "OPTIONS": {"URL": "redis://127.0.0.1:1/0"}},
         "bad": {"BACKEND": "distlock.backends.redis.RedisBackend", "OPTIONS": {"URL": "redis://x", "CACHE": "y"}}}
-    errors = [error for error in check_distlock_setting() if "'bad'" in error.msg or "'nowhere'" in error.msg]
+    errors = [error for error in check_distlock_setting()
+              if error.is_serious() and ("'bad'" in error.msg or "'nowhere'" in error.msg)]
     assert [(error.id, "DISTLOCK['bad']" in error.msg) for error in errors] == [("distlock.E004", True)]
     RedisBackend("nowhere", {"URL": "redis://127.0.0.1:1/0"})  # building the backend connects to nothing
 

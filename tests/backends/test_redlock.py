@@ -54,6 +54,7 @@ def read(server, *command):
         return client.execute_command(*command)
     finally:
         client.close()
+        client.connection_pool.disconnect()  # redis-py before 5 leaves the pool open
 
 
 def owners_on(servers, name):
@@ -421,3 +422,76 @@ def test_a_waiter_is_woken_by_the_release_notification(masters, configure, lock_
     holder.release()
     thread.join(25)
     assert result["woke"] - released < 2
+
+
+# -- TLS and ACL users ------------------------------------------------------------------------------
+
+TLS_PASSWORD = "redlock-Secret-4711"
+
+
+@pytest.fixture(scope="module")
+def tls_masters(tmp_path_factory):
+    """Three TLS-only masters requiring client certificates, each with an ACL user kept to distlock's keys and channels."""
+    servers = []
+    try:
+        for index in range(3):
+            servers.append(RedisServer(workdir=tmp_path_factory.mktemp(f"tls-master-{index}"), tls=True,
+                                       password="admin-Secret-1",
+                                       users={"locks": (TLS_PASSWORD, "~distlock:* &distlock:* +@all")}).start())
+        yield servers
+    finally:
+        for server in servers:
+            server.cleanup()
+
+
+def test_tls_with_an_acl_user_round_trip(tls_masters, configure, lock_name):
+    urls = [server.url_for("locks", TLS_PASSWORD) for server in tls_masters]
+    assert RedlockBackend.security_warnings(ALIAS, RedlockBackend.clean_options(ALIAS, {"URLS": urls})) == []
+    backend = configure(urls)
+    holder = distlock.acquire(lock_name, ttl=10, using=ALIAS)
+    assert [info.owner for info in backend.held_locks(lock_name)] == [holder.owner]
+    assert owners_on(tls_masters, lock_name) == [holder.owner] * 3
+    release = threading.Timer(0.3, holder.release)
+    release.start()
+    try:
+        with distlock.lock(lock_name, ttl=10, timeout=10, using=ALIAS) as waiter:  # woken over TLS pub/sub
+            assert waiter.owner != holder.owner
+    finally:
+        release.join()
+    assert settled(lambda: owners_on(tls_masters, lock_name), [None] * 3) == [None] * 3
+    assert all(TLS_PASSWORD not in thread.name for thread in threading.enumerate())
+
+
+def test_a_wrong_password_is_backend_unavailable_without_the_password(tls_masters, configure, lock_name):
+    configure([server.url_for("locks", "Wrong-Pass-0815") for server in tls_masters])
+    with pytest.raises(distlock.BackendUnavailable, match="invalid username-password") as excinfo:
+        distlock.acquire(lock_name, ttl=10, blocking=False, using=ALIAS)
+    assert "Wrong-Pass-0815" not in str(excinfo.value)
+    assert all("Wrong-Pass-0815" not in thread.name for thread in threading.enumerate())
+
+
+def test_plain_tcp_against_tls_masters_fails_clearly(tls_masters, configure, lock_name):
+    configure([server.url_for("locks", TLS_PASSWORD, tls_parameters=False).replace("rediss://", "redis://")
+               for server in tls_masters])
+    started = time.monotonic()
+    with pytest.raises(distlock.BackendUnavailable, match="use rediss:// URLs") as excinfo:
+        distlock.acquire(lock_name, ttl=10, blocking=False, using=ALIAS)
+    assert time.monotonic() - started < 2.5
+    assert TLS_PASSWORD not in str(excinfo.value)
+
+
+@pytest.mark.parametrize(("url", "message"), [
+    ("redis://127.0.0.1:7003/0?ssl_ca_certs=/ca.crt", "ssl_ca_certs but is not a rediss:// URL"),
+    ("rediss://127.0.0.1:7003/0?ssl_cert_reqs=yes", "ssl_cert_reqs='yes'"),
+])
+def test_tls_parameters_that_cannot_work_are_refused_without_io(url, message):
+    with pytest.raises(ImproperlyConfigured, match=message):
+        RedlockBackend.clean_options("x", {"URLS": URLS[:2] + [url]})
+
+
+def test_security_warnings_name_each_master_reached_without_tls_or_password():
+    urls = ["redis://10.0.0.1:6379/0", "redis://:secret@10.0.0.2:6379/0", "rediss://10.0.0.3:6379/0",
+            "redis://10.0.0.4:6379/0?password=secret", "redis://user@10.0.0.5:6379/0"]
+    warnings = RedlockBackend.security_warnings("x", RedlockBackend.clean_options("x", {"URLS": urls}))
+    assert [warning.split()[3] for warning in warnings] == ["10.0.0.1:6379,", "10.0.0.5:6379,"]
+    assert all("neither TLS nor a password" in warning and "secret" not in warning for warning in warnings)
