@@ -26,6 +26,17 @@ def target(key):
     return TARGETS[key].label, TARGETS[key].shared_entry()
 
 
+def patient(entry):
+    """``entry``, with Redlock's masters given 2 s to answer instead of 0.25 s.
+
+    Hundreds of threads in a few processes starve a 2-core machine: a release whose round closes
+    before a majority's replies are read reports the lease gone although every master deleted it.
+    """
+    if entry["BACKEND"].endswith(".RedlockBackend"):
+        return {**entry, "OPTIONS": {**entry["OPTIONS"], "NODE_TIMEOUT": 2}}
+    return entry
+
+
 def churn_seconds(scale):
     return 20.0 if scale.long else 3.0
 
@@ -37,7 +48,7 @@ def tries_seconds(scale):
 @pytest.mark.parametrize("key", KEYS)
 def test_threads_that_come_and_go_neither_crash_nor_fail_nor_overlap(key, fault_run, safety, scale):
     label, entry = target(key)
-    run = fault_run({"under_test": entry}, fenced=False)
+    run = fault_run({"under_test": patient(entry)}, fenced=False)
     result = safety.record(scenarios.thread_churn(run, label, seconds=churn_seconds(scale)))
 
     assert result.ok, result.violations
