@@ -1,7 +1,7 @@
 # The two set-up commands of the README: `make demo` and `make test`.
 PYTHON := .venv/bin/python
 
-.PHONY: demo test bench bootstrap-demo bootstrap-test
+.PHONY: demo test bench matrix redis-py-lines bootstrap-demo bootstrap-test
 
 demo: bootstrap-demo
 	$(PYTHON) manage.py migrate --noinput -v 0
@@ -12,6 +12,15 @@ test: bootstrap-test
 
 bench: bootstrap-test
 	$(PYTHON) -m tests.servers -- $(PYTHON) -m bench
+
+# The full worker/server matrix of docs/DEPLOYMENT.md (not part of `make test`): prints its tables and
+# writes them into the Deployment page.
+matrix: bootstrap-test
+	$(PYTHON) -m tests.servers --servers postgres,redis,zookeeper,etcd -- $(PYTHON) -m tests.deployment.matrix --write-docs $(PYTEST_ARGS)
+
+# The Redis/Redlock tests under each redis-py release line, one throwaway virtualenv each (not part of `test`).
+redis-py-lines:
+	scripts/redis-py-lines $(LINES)
 
 bootstrap-demo:
 	scripts/bootstrap demo

@@ -59,3 +59,6 @@ HOLD_ACKS_LATE = {
         hold_until_killed)
     for alias in ("redis", "postgres")
 }
+
+# The deployment tests' tasks (green pools, time-limit storms): registered wherever these are.
+from tests.celery_app import deployment_tasks  # noqa: E402, F401

@@ -1,0 +1,206 @@
+"""Behind real servers and pools (issue 25): gunicorn workers, Celery's green pools, forks, time-limit storms.
+
+``make test`` runs a representative slice (each scenario on the backends it broke on); the full
+worker/server matrix is ``make matrix`` (``DISTLOCK_MATRIX=1``), which also writes the table of
+docs/DEPLOYMENT.md from the figures these tests record. The scenarios live in
+``tests/deployment/harness.py``; the checks are its ``*_failures`` functions.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from tests.celery_app.deployment_tasks import ALIASES
+from tests.conftest import require_alias
+from tests.deployment import harness
+from tests.workers import ROOT, child_env
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+MATRIX = os.environ.get("DISTLOCK_MATRIX") == "1"
+matrix_only = pytest.mark.skipif(not MATRIX, reason="part of `make matrix`, not of `make test`")
+#: Still failing on etcd (issue 25 is open: gRPC blocks the gevent hub; eventlet; gRPC across fork):
+#: run by `make matrix`, kept out of `make test` until fixed.
+open_on_etcd = pytest.mark.skipif(not MATRIX, reason="fails on etcd today (issue 25); run by `make matrix`")
+
+#: Seconds of load per gunicorn run: ≥ 20 s for the regression tests, less per cell of the matrix.
+SITE_SECONDS = 20
+MATRIX_SITE_SECONDS = float(os.environ.get("DISTLOCK_MATRIX_SITE_SECONDS", "10"))
+#: Celery pool -> concurrency (the issue's ``-c 50`` for the green pools).
+POOLS = {"prefork": 4, "threads": 16, "solo": 1, "gevent": 50, "eventlet": 50}
+#: The database backend on PostgreSQL may open at most this many connections beyond the concurrency.
+CONNECTION_SLACK = 5
+
+
+@pytest.fixture
+def record(request):
+    """``record(figures)``: keep a run's figures for ``make matrix``'s table (a JSON line per run)."""
+    def record(section, figures):
+        path = os.environ.get("DISTLOCK_MATRIX_OUT")
+        if path:
+            with open(path, "a") as out:
+                out.write(json.dumps({"section": section, "test": request.node.name, **figures}, default=str) + "\n")
+        return figures
+    return record
+
+
+def require(*aliases):
+    for alias in aliases:
+        require_alias(alias)
+
+
+def site(record, kind, alias, seconds):
+    if not harness.gunicorn_has_worker(kind):
+        pytest.skip(f"this gunicorn has no {kind} worker")
+    figures = harness.run_site(kind, alias, "postgres", seconds)
+    record("gunicorn", {**figures, "failures": harness.site_failures(figures), "log_tail": ""})
+    return figures
+
+
+def describe(figures):
+    return json.dumps({key: value for key, value in figures.items() if key != "log_tail"}, default=str, indent=1)
+
+
+# -- gunicorn ---------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_gunicorn_gevent_database_backend_on_postgresql(record):
+    """``-k gevent -w 2``, 32 clients on 4 hot names for 20 s: no worker death, no 5xx, every update counted
+    once under a token newer than the last (was: workers aborted by libev, 500s, a borrowed token 1)."""
+    require("postgres")
+    figures = site(record, "gevent", "postgres", SITE_SECONDS)
+    assert not harness.site_failures(figures), describe(figures) + figures["log_tail"]
+
+
+@open_on_etcd
+@pytest.mark.slow
+def test_gunicorn_gevent_etcd_keeps_up_with_gthread(record):
+    """etcd under ``-k gevent``: none hangs, no lease lost, and it serves ≥ 0.7× the successful requests per
+    second of the same site under ``-k gthread`` in the same run (was: 0–3 requests in 20 s, 14–16 hung)."""
+    require("postgres", "etcd")
+    threaded = site(record, "gthread", "etcd", SITE_SECONDS / 2)
+    assert not harness.site_failures(threaded), describe(threaded) + threaded["log_tail"]
+    green = site(record, "gevent", "etcd", SITE_SECONDS)
+    assert not harness.site_failures(green), describe(green) + green["log_tail"]
+    assert green["rate"] >= 0.7 * threaded["rate"], \
+        f"gevent {green['rate']}/s against gthread {threaded['rate']}/s\n{describe(green)}"
+
+
+@matrix_only
+@pytest.mark.slow
+@pytest.mark.parametrize("alias", ["postgres", "redis", "zookeeper", "etcd"])
+@pytest.mark.parametrize("kind", harness.GUNICORN_WORKERS)
+def test_gunicorn_matrix(record, kind, alias):
+    require("postgres", alias)
+    figures = site(record, kind, alias, MATRIX_SITE_SECONDS)
+    assert not harness.site_failures(figures), describe(figures) + figures["log_tail"]
+
+
+# -- Celery's green pools ---------------------------------------------------------------------------
+
+def green(record, pool, alias, runs, concurrency, **options):
+    require(alias)
+    figures = harness.run_green_pool(pool, alias, runs, concurrency, **options)
+    limit = concurrency + CONNECTION_SLACK if alias == "postgres" else None
+    failures = harness.green_failures(figures, max_connections=limit)
+    record("celery", {**figures, "failures": failures})
+    return figures, failures
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pool", ["eventlet", "gevent"])
+def test_green_pool_database_backend_on_postgresql(record, pool):
+    """300 runs at concurrency 50: no error, no overlap, connections ≤ concurrency + 5 (was: ``'NoneType' object
+    has no attribute 'cursor'`` in 15–20 runs, 141–152 connections)."""
+    figures, failures = green(record, pool, "postgres", 300, 50)
+    assert figures["runs"] >= 300 and not failures, describe(figures)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pool", ["eventlet", "gevent"])
+def test_green_pool_zookeeper(record, pool):
+    """60 runs: no ``BackendUnavailable``, nothing left held, warm shutdown completes (was: 7–58 of 60
+    failed, a record left, the shutdown hung)."""
+    figures, failures = green(record, pool, "zookeeper", 60, 16)
+    assert figures["backend_unavailable"] == 0 and not failures, describe(figures)
+
+
+@open_on_etcd
+@pytest.mark.slow
+@pytest.mark.parametrize("pool", ["eventlet", "gevent"])
+def test_green_pool_etcd_run_four_ttls_keeps_its_lease(record, pool):
+    """A run of 8 s with ttl 2 and auto-renew keeps its lease while 40 short runs go on (was: ``LockLost``,
+    and under eventlet another run took the key)."""
+    figures, failures = green(record, pool, "etcd", 40, 8, long_run=(2, 8.0))
+    assert figures.get("long_run", {}).get("lost") is False and not failures, describe(figures)
+
+
+@matrix_only
+@pytest.mark.slow
+@pytest.mark.parametrize("alias", ALIASES)
+@pytest.mark.parametrize("pool", list(POOLS))
+def test_celery_pool_matrix(record, pool, alias):
+    runs = 100 if pool != "solo" else 40
+    figures, failures = green(record, pool, alias, runs, POOLS[pool], long_run=(2, 8.0))
+    assert not failures, describe(figures)
+
+
+# -- fork in a gevent-patched process ---------------------------------------------------------------
+
+@open_on_etcd
+@pytest.mark.slow
+def test_fork_after_zookeeper_and_etcd_locks_in_a_gevent_process():
+    """Children forked after locks on both aliases work, and so does the parent, with the lease it held across
+    the forks (was: the parent's kazoo loop read its socket in each child, the parent's next lock failed)."""
+    require("zookeeper", "etcd")
+    process = subprocess.run([sys.executable, "-m", "tests.deployment.fork_gevent", f"fork:{uuid.uuid4().hex[:8]}"],
+                             capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=180, check=False)
+    lines = [json.loads(line) for line in process.stdout.splitlines() if line.startswith("{")]
+    report = f"exit {process.returncode}\nstdout:\n{process.stdout[-3000:]}\nstderr:\n{process.stderr[-4000:]}"
+    children = [line for line in lines if "child" in line]
+    parent = [line for line in lines if "parent" in line]
+    assert process.returncode == 0 and len(children) == 3 and len(parent) == 1, report
+    assert all(not child["errors"] for child in children), report
+    assert not any("parent_round" in line for line in lines), report
+    assert parent[0]["exits"] == [0, 0, 0] and parent[0]["unfinished"] == 0, report
+    assert parent[0]["held_checks"] == {"zookeeper": "ok", "etcd": "ok"} and not parent[0]["errors"], report
+    assert "Traceback" not in process.stderr, report
+
+
+# -- time-limit storms ------------------------------------------------------------------------------
+
+def storm(record, pool, aliases, runs, concurrency, limit):
+    require(*aliases)
+    figures = harness.run_storm(pool, aliases, runs, concurrency, limit=limit)
+    failures = {alias: harness.storm_failures(figures[alias]) for alias in aliases}
+    for alias in aliases:
+        record("storm", {"alias": alias, **figures[alias], "failures": failures[alias]})
+    if not figures["worker_alive"]:
+        failures["worker"] = ["the worker died during the storm"]
+    return figures, {alias: problems for alias, problems in failures.items() if problems}
+
+
+@pytest.mark.slow
+def test_soft_time_limit_storm_on_prefork(record):
+    """40 runs per backend, each ended by a soft time limit drawn from 0.02–0.6 s while it makes lock calls:
+    afterwards no key is held past ttl + 1 s and every key's next run gets its lock (was: keys held 27–32 s
+    with ttl 4 on every backend, znodes left for the life of the pool process)."""
+    # SQLite (the write slot stays taken after some interrupted run) and etcd (a key held past its ttl)
+    # still fail (issue 25 is open): `make matrix` runs them.
+    aliases = ALIASES if MATRIX else ("postgres", "redis", "zookeeper")
+    figures, failures = storm(record, "prefork", aliases, 80 if MATRIX else 40, 4, "soft")
+    assert not failures, json.dumps(figures, indent=1, default=str)
+
+
+@pytest.mark.slow
+def test_hard_time_limit_storm_on_gevent(record):
+    """Under ``--pool gevent`` the hard limit is a ``gevent.Timeout`` raised inside the lock's own calls, and the
+    process lives on: afterwards no key is held past ttl + 1 s (was: 3–4 keys of 60 held 22 s later)."""
+    aliases = ALIASES if MATRIX else ("postgres", "redis", "zookeeper", "etcd")
+    figures, failures = storm(record, "gevent", aliases, 40, 20, "hard")
+    assert not failures, json.dumps(figures, indent=1, default=str)
+
