@@ -8,6 +8,28 @@ NOT_APPLICABLE = "n/a"
 
 
 @dataclass
+class InterruptCounts:
+    """What the interrupt storm found on one backend (scenario "interrupts mid-call"); 0 expected in the last five."""
+
+    #: Lock calls made with a random interrupt armed, and how many the interrupt cut short.
+    operations: int = 0
+    interrupted: int = 0
+    #: Grants while another owner held the lock: overlapping critical sections of different owners.
+    wrong_grants: int = 0
+    #: Calls that raised something other than ``LockNotAcquired``, ``BackendUnavailable`` or the interrupt,
+    #: or whose extend/release of a lease valid and never interrupted found it gone.
+    misread_replies: int = 0
+    #: Client processes that did not finish the storm by their deadline (killed).
+    hangs: int = 0
+    #: Lock names still held, or not acquirable, once ttl + 1 s (+ the session timeout) passed after the client exited.
+    locks_left: int = 0
+    #: Wall-clock seconds of the storm itself (calibration, calls, final releases), in the client.
+    seconds: float | None = None
+    #: Full tracebacks of the misread replies (and of a hang), for the test's failure message; not tabled.
+    tracebacks: list = field(default_factory=list)
+
+
+@dataclass
 class Result:
     """What a scenario found on one backend, over all its runs.
 
@@ -35,6 +57,8 @@ class Result:
     #: Granted and attempted tries per second, for scenarios that measure them (contended tries); else None.
     grants_per_second: float | None = None
     tries_per_second: float | None = None
+    #: The interrupt storm's figures, for that scenario only; else None.
+    interrupts: InterruptCounts | None = None
     violations: list = field(default_factory=list)
     notes: list = field(default_factory=list)
 

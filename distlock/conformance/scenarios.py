@@ -12,16 +12,23 @@
   per request) take locks on five names: no crash, no error, no overlap.
 - ``contended_tries``: processes x threads try one name back to back without blocking: no overlap;
   the grant rate is reported.
+- ``interrupts``: a client's acquire, extend and release calls are interrupted at random points (a
+  signal handler that raises, as a time limit does): no wrong grant, no misread reply, no hang, no
+  lock left past its ttl, and the alias still works afterwards.
 
 Each returns a ``Result``; the fault-injection suite of the test tree runs them too, next to the
 scenarios that break servers.
 """
 
+import os
 import random
+import signal
+import subprocess
 import threading
 import time
 
 from distlock.conformance.process import ClientDied, ClientError
+from distlock.conformance.report import InterruptCounts
 from distlock.conformance.run import RECOVERY_SLACK, wait_until
 
 #: Seconds a lock is held (by ttl) in the contention scenario: far longer than any pause it suffers.
@@ -258,3 +265,159 @@ def contended_tries(run, backend, *, processes=2, threads=20, seconds=4.0, ttl=1
     if errors:
         result.notes.append(f"errors: {errors}")
     return result
+
+
+#: Seconds after which an interrupt storm's client counts as hung: a base plus a bound per call (a short
+#: acquire waits 0.05 s; a machine shared with other test runs may make a call take a tenth of a second).
+STORM_DEADLINE_BASE = 30.0
+STORM_DEADLINE_PER_CALL = 0.1
+
+
+def interrupts(run, backend, *, operations=200, ttl=2.0, wait=0.05, names=3, seed=0):
+    """Interrupt ``operations`` lock calls of one client at random points; judge grants, errors, hangs, leftovers.
+
+    One client makes the calls (``Client.interrupts``: SIGALRM raises in it at a random point of
+    each acquire, extend and release, aimed at the backend's own call durations); a holder process
+    keeps one name held all along and takes turns on the client's first name; an observer lists
+    what is held afterwards. Violations: a grant while another owner held the lock (overlapping
+    critical sections), an unexpected exception or a valid lease found gone (a misread reply), a
+    client that does not finish by its deadline (a hang, killed), a name still held ttl + 1 s (+ the
+    session timeout) after the client exited or not acquirable then, an alias that no longer works
+    once the timer is off. The result carries ``InterruptCounts``.
+    """
+    client, holder, observer = run.spawn("interrupted", "holder", "observer")
+    base = run.lock_name()
+    own = [f"{base}:own-{i}" for i in range(names)]
+    held = f"{base}:held"
+    after = [f"{base}:after-{i}" for i in range(3)]
+    stop = run.directory / "stop-contending"
+    counts = InterruptCounts()
+    problems = []
+
+    taken = holder.call("acquire", name=held, ttl=10, timeout=30, auto_renew=True)
+    holder.call("enter", name=held)
+    contending = holder.send("contend", name=own[0], stop=str(stop), ttl=ttl, timeout=1.0, seed=seed)
+    deadline = STORM_DEADLINE_BASE + operations * STORM_DEADLINE_PER_CALL
+    storm = None
+    command = client.send("interrupts", names=own, held=held, after=after, ttl=ttl, wait=wait,
+                          operations=operations, seed=seed)
+    try:
+        storm = client.result(command, wait=deadline)
+    except TimeoutError:
+        counts.hangs += 1
+        problems.append(f"the client did not finish {operations} calls within {deadline:g} s: "
+                        f"{_hang_dump(client)}")
+        counts.tracebacks.append(client.stderr_tail(20000))
+    except ClientDied:
+        problems.append(_died(client))
+        counts.tracebacks.append(client.stderr_tail(20000))
+    except ClientError as exc:
+        problems.append(f"the storm failed: {exc}")
+    run.finish(client)
+    exited = time.monotonic()
+
+    stop.touch()
+    try:
+        holder.result(contending, wait=60)
+        state = holder.call("check", name=held)["state"]
+        if state != "valid":
+            problems.append(f"the holder's lock on {held!r} was {state} after the storm")
+        holder.call("exit", name=held)
+        holder.call("release", name=held)
+    except (ClientError, ClientDied, TimeoutError) as exc:
+        problems.append(f"the holder failed: {exc}")
+    run.finish(holder)
+
+    bound = ttl + 1 + (taken["session_timeout"] or 0)
+    left, freed_after = _locks_left(observer, f"{base}:", [*own, held, *after], exited + bound)
+    counts.locks_left = len(left)
+    if left:
+        problems.append(f"{len(left)} lock(s) still held {bound:g} s after the client exited: {', '.join(left)}")
+    run.close()
+
+    result = run.judge("interrupts mid-call", backend, 1, expect_overlap=False)
+    counts.wrong_grants = result.overlaps
+    if storm is not None:
+        counts.operations = storm["operations"]
+        counts.interrupted = storm["interrupted"]
+        counts.misread_replies = len(storm["misread"])
+        counts.seconds = storm["seconds"]
+        counts.tracebacks = storm["tracebacks"] + counts.tracebacks
+        if storm["misread"]:
+            problems.append(f"{len(storm['misread'])} misread repl(ies): " + "; ".join(storm["misread"][:3]))
+        if storm["granted_busy"]:
+            problems.append("granted while held: " + "; ".join(storm["granted_busy"][:3]))
+        if storm["unusable"]:
+            problems.append("the alias no longer worked after the storm: " + "; ".join(storm["unusable"]))
+        result.notes += _storm_notes(storm)
+        if storm["left_while_alive"]:
+            result.notes.append(f"{len(storm['left_while_alive'])} lock(s) still held ttl + 1 s after the storm "
+                                f"while the client lived: {', '.join(storm['left_while_alive'])}")
+    if freed_after is not None:
+        result.notes.append(f"every name free {freed_after:.1f} s after the client exited")
+    result.interrupts = counts
+    result.violations += problems
+    return result
+
+
+def _hang_dump(client):
+    """Make a hung client dump its threads' stacks (faulthandler, on SIGABRT), kill it, return the main stack."""
+    try:
+        os.kill(client.pid, signal.SIGABRT)
+        client.process.wait(10)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    client.kill()
+    lines = client.stderr_tail(20000).strip().splitlines()
+    main = next((index for index in reversed(range(len(lines))) if lines[index].startswith(("Current thread",
+                                                                                            "Thread 0x"))), None)
+    shown = lines[main:main + 8] if main is not None else lines[-8:]
+    return " | ".join(line.strip() for line in shown)
+
+
+def _locks_left(observer, prefix, names, deadline):
+    """Poll until nothing is held under ``prefix`` and each of ``names`` can be acquired afresh, or ``deadline``.
+
+    A name may be listed as free and still refuse a non-blocking acquire for a while (a waiter's
+    queue entry that has not expired yet), so each is tried until it is granted or the deadline
+    passes. Return (each name still held or not acquirable at the deadline, with why; seconds until
+    every name was free, or None).
+    """
+    started = time.monotonic()
+    listed = observer.call("held", prefix=prefix)
+    while listed and time.monotonic() < deadline:
+        time.sleep(0.1)
+        listed = observer.call("held", prefix=prefix)
+    left = {info["name"]: "listed as held" for info in listed}
+    for name in names:
+        while name not in left:
+            try:
+                observer.call("acquire", name=name, ttl=5, blocking=False)
+            except ClientError as exc:
+                if time.monotonic() >= deadline:
+                    left[name] = f"not listed as held, but a non-blocking acquire: {exc.error}"
+                else:
+                    time.sleep(0.1)
+                continue
+            observer.call("release", name=name)
+            break
+    freed = None if left else time.monotonic() - started
+    return [f"{name} ({why})" for name, why in sorted(left.items())], freed
+
+
+def _storm_notes(storm):
+    """Return what the storm measured but does not judge: where interrupts landed, what they turned into."""
+    landed = sorted(storm["landed"].items(), key=lambda item: -item[1])
+    notes = [f"{storm['operations']} calls in {storm['seconds']:.1f} s, {storm['interrupted']} interrupted, landing in "
+             + ", ".join(f"{site} {count}" for site, count in landed[:5])]
+    if storm["converted"]:
+        notes.append(f"{storm['converted']} interrupt(s) turned into BackendUnavailable")
+    if storm["swallowed"]:
+        notes.append(f"{len(storm['swallowed'])} interrupt(s) swallowed, the call going on: "
+                     + ", ".join(storm["swallowed"][:3]))
+    if storm["finalizers"]:
+        notes.append(f"{len(storm['finalizers'])} interrupt(s) dropped by Python in a finalizer or weakref callback")
+    slowest = storm["slowest"]
+    if slowest["seconds"] > 1:
+        notes.append(f"slowest call {slowest['seconds']:.1f} s: {slowest['call']}")
+    return notes
