@@ -266,8 +266,156 @@ def green_cycles(alias, prefix, threads=10, cycles=60, hot_names=3):
     emit(closed=True)
 
 
+def etcd_fork(alias, prefix, forks=8, child_deadline=10.0):
+    """Hold an etcd lock, keep the alias busy from other threads (a hammer of acquire/release, a waiter
+    queued behind the held lock), and fork ``forks`` times; each child takes and releases another lock
+    and exits 0 (``SIGALRM`` kills a child that hangs past ``child_deadline``).
+
+    Reports each child's exit status and how long it took, then whether the parent still works: the
+    held lease extends and checks, the session is the one it had, new locks are granted, and the
+    busy threads saw no error.
+    """
+    import signal  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    import distlock  # noqa: PLC0415
+
+    held = distlock.acquire(f"{prefix}:held", ttl=60, timeout=30, using=alias)
+    session_id = held.handle.session.id
+    stop, errors, cycles = threading.Event(), [], [0]
+
+    def hammer_loop():
+        while not stop.is_set():
+            try:
+                with distlock.lock(f"{prefix}:hammer", ttl=10, timeout=30, using=alias):
+                    cycles[0] += 1
+            except Exception as exc:  # noqa: BLE001 - reported, and the test fails on it
+                errors.append(repr(exc))
+
+    def waiter_loop():
+        while not stop.is_set():
+            try:
+                distlock.acquire(f"{prefix}:held", ttl=10, timeout=0.3, using=alias).release()
+                errors.append("the waiter got the held lock")
+            except distlock.LockNotAcquired:
+                pass
+            except Exception as exc:  # noqa: BLE001 - reported, and the test fails on it
+                errors.append(repr(exc))
+
+    busy = [threading.Thread(target=hammer_loop), threading.Thread(target=waiter_loop)]
+    for thread in busy:
+        thread.start()
+    children = []
+    for i in range(forks):
+        time.sleep(0.05)  # let the busy threads get back into gRPC calls
+        started = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(int(child_deadline))
+            try:
+                with distlock.lock(f"{prefix}:child-{i}", ttl=10, timeout=child_deadline, using=alias) as lease:
+                    code = 0 if lease.handle.session.id != session_id else 4
+            except BaseException:  # noqa: BLE001 - reported through the exit status
+                code = 3
+            os._exit(code)
+        status = None
+        while time.monotonic() - started < child_deadline + 2:
+            done, raw = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status = os.waitstatus_to_exitcode(raw)
+                break
+            time.sleep(0.02)
+        if status is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        children.append({"status": status, "seconds": round(time.monotonic() - started, 2)})
+    stop.set()
+    for thread in busy:
+        thread.join(30)
+    extended = held.extend()
+    try:
+        held.check()
+        check = "ok"
+    except distlock.LockError as exc:
+        check = repr(exc)
+    fresh = distlock.acquire(f"{prefix}:after", ttl=10, blocking=False, using=alias)
+    emit(children=children, extended=extended, check=check, same_session=held.handle.session.id == session_id,
+         fresh_session=fresh.handle.session.id == session_id, released=[fresh.release(), held.release()],
+         cycles=cycles[0], errors=errors[:10], error_count=len(errors))
+
+
+def etcd_green(alias, prefix, threads=10, cycles=5, ttl=2.0, hold_for=8.0):
+    """In a gevent-patched process: ``threads`` greenlets x ``cycles`` lock/unlock cycles, a lease held
+    with ``auto_renew`` for ``hold_for`` seconds, and a heartbeat greenlet ticking every 50 ms.
+
+    Reports the longest gap between heartbeats (a blocked hub shows as a gap), errors, whether the
+    held lease stayed valid, and gRPC's gevent flag.
+    """
+    import threading  # noqa: PLC0415 - patched by now: green threads
+
+    import distlock  # noqa: PLC0415
+    from distlock.handler import locks  # noqa: PLC0415
+
+    beats, errors, done = [], [], threading.Event()
+
+    def heartbeat():
+        while not done.is_set():
+            beats.append(time.monotonic())
+            time.sleep(0.05)
+
+    def run(i):
+        for n in range(cycles):
+            try:
+                with distlock.lock(f"{prefix}:{(i + n) % 3}", ttl=10, timeout=30, using=alias):
+                    time.sleep(0.01)
+            except Exception as exc:  # noqa: BLE001 - reported, and the test fails on it
+                errors.append(repr(exc))
+
+    ticker = threading.Thread(target=heartbeat)
+    ticker.start()
+    lease = distlock.acquire(f"{prefix}:held", ttl=ttl, auto_renew=True, timeout=30, using=alias)
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    end = time.monotonic() + hold_for
+    while time.monotonic() < end:
+        time.sleep(0.1)
+    try:
+        lease.check()
+        check = "ok"
+    except distlock.LockError as exc:
+        check = repr(exc)
+    released = lease.release()
+    done.set()
+    ticker.join()
+    from grpc._cython import cygrpc  # noqa: PLC0415
+
+    gaps = [later - earlier for earlier, later in zip(beats, beats[1:])]
+    emit(max_gap=max(gaps), beats=len(beats), check=check, released=released, errors=errors[:10],
+         error_count=len(errors), gevent_activated=bool(getattr(cygrpc, "g_gevent_activated", False)),
+         held=[info.name for info in locks[alias].held_locks(prefix)])
+
+
+def etcd_eventlet_refused(alias, name):
+    """In an eventlet-patched process: report what acquiring on the etcd ``alias`` raises, and the
+    system-check errors about it."""
+    import distlock  # noqa: PLC0415
+    from distlock.checks import check_distlock_setting  # noqa: PLC0415
+
+    try:
+        distlock.acquire(name, ttl=5, blocking=False, using=alias).release()
+        outcome = "acquired"
+    except Exception as exc:  # noqa: BLE001 - reported
+        outcome = f"{type(exc).__name__}: {exc}"
+    emit(acquire=outcome, check_errors=[message.msg for message in check_distlock_setting()
+                                        if message.is_serious() and f"'{alias}'" in message.msg])
+
+
 SCENARIOS = {"hammer": hammer, "hold": hold, "hold_then_check": hold_then_check, "try_hammer": try_hammer,
-             "interrupt_storm": interrupt_storm, "green_cycles": green_cycles}
+             "interrupt_storm": interrupt_storm, "green_cycles": green_cycles, "etcd_fork": etcd_fork,
+             "etcd_green": etcd_green, "etcd_eventlet_refused": etcd_eventlet_refused}
 
 
 def run(scenarios):

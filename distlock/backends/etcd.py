@@ -4,10 +4,14 @@ import functools
 import heapq
 import json
 import logging
+import math
+import os
+import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import NamedTuple
 from urllib.parse import quote, unquote
@@ -15,6 +19,7 @@ from urllib.parse import quote, unquote
 import grpc
 from django.core.exceptions import ImproperlyConfigured
 from etcd3 import etcdrpc
+from google.protobuf.message import DecodeError
 
 from distlock.backends.base import (
     NOTIFICATIONS, SAFE_FENCING_TOKENS, BaseLockBackend, Grant, LockInfo, Option, positive_number,
@@ -22,6 +27,7 @@ from distlock.backends.base import (
 )
 from distlock.exceptions import BackendUnavailable, LockNotAcquired
 from distlock.holder import holder_record, new_owner
+from distlock.redaction import redact
 
 logger = logging.getLogger("distlock.backends.etcd")
 
@@ -190,52 +196,193 @@ _RETRIED_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLIN
 #: Makes a member without a leader refuse at once ("etcdserver: no leader") instead of holding the request.
 _REQUIRE_LEADER = (("hasleader", "true"),)
 #: A restarted member is reconnected to within a second, not after gRPC's default back-off of up to 2 minutes.
+#: Each channel keeps its own connections (no process-wide subchannel pool), so a channel built after a fork
+#: never picks up a connection of the parent's.
 _CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 #: Seconds a request gets even when the caller's timeout is shorter (a non-blocking attempt still needs an answer).
 MIN_REQUEST_SECONDS = 1.0
-
+#: Seconds ``fork()`` waits for the calls it cancelled to return before it goes ahead anyway.
+FORK_QUIESCE_SECONDS = 2.0
+#: What etcd answers (INVALID_ARGUMENT) once an auth token expired (``--auth-token-ttl``, 5 minutes idle).
+_INVALID_TOKEN = "invalid auth token"
 
 class _SessionGone(BackendUnavailable):
     """etcd no longer knows the session lease ("requested lease not found"): it expired or was revoked."""
 
 
-class _Channel:
-    """One endpoint: its gRPC channel and the stubs of python3-etcd3's generated etcd API."""
+#: The exception a response deserializer raised in this thread during the current call (see ``_guarded``).
+_foreign = threading.local()
 
-    def __init__(self, address):
+
+def _guarded(parse):
+    """Return the response deserializer ``parse``, remembering in ``_foreign`` any exception it raises.
+
+    gRPC catches an ``Exception`` raised while a response is deserialized and reports the call as
+    failed (INTERNAL, "Exception deserializing response!"). Only a malformed message should end that
+    way: a Celery soft time limit (``SoftTimeLimitExceeded``) or another signal handler's exception
+    landing there is re-raised by ``_raise_foreign`` as itself, not reported as the cluster failing.
+    """
+    def deserialize(data):
+        try:
+            return parse(data)
+        except DecodeError:
+            raise
+        except BaseException as exc:
+            _foreign.exc = exc
+            raise
+
+    return deserialize
+
+
+def _raise_foreign():
+    """Raise the exception a deserializer of this thread's current call raised, if any (see ``_guarded``)."""
+    exc = getattr(_foreign, "exc", None)
+    if exc is not None:
+        _foreign.exc = None
+        raise exc.with_traceback(exc.__traceback__) from None
+
+
+class _Service:
+    """The methods of one etcd gRPC service this backend calls, with guarded response deserializers."""
+
+    def __init__(self, channel, service, methods):
+        for method, (kind, request, response) in methods.items():
+            setattr(self, method, getattr(channel, kind)(
+                f"/etcdserverpb.{service}/{method}", request_serializer=request.SerializeToString,
+                response_deserializer=_guarded(response.FromString)))
+
+
+#: True once this module opened a gRPC channel in this process (see ``_prepare_for_green_threads``).
+_channels_opened = False
+
+
+class _Channel:
+    """One endpoint: its gRPC channel and the methods of etcd's API (python3-etcd3's generated messages)."""
+
+    def __init__(self, address, security):
+        global _channels_opened  # noqa: PLW0603 - one flag per process
+        _channels_opened = True
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        self.kv = etcdrpc.KVStub(self.channel)
-        self.lease = etcdrpc.LeaseStub(self.channel)
-        self.watch = etcdrpc.WatchStub(self.channel)
+        if security.tls:
+            self.channel = grpc.secure_channel(address, security.channel_credentials(), options=_CHANNEL_OPTIONS)
+        else:
+            self.channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.kv = _Service(self.channel, "KV", {
+            "Range": ("unary_unary", etcdrpc.RangeRequest, etcdrpc.RangeResponse),
+            "Txn": ("unary_unary", etcdrpc.TxnRequest, etcdrpc.TxnResponse),
+            "DeleteRange": ("unary_unary", etcdrpc.DeleteRangeRequest, etcdrpc.DeleteRangeResponse),
+        })
+        self.lease = _Service(self.channel, "Lease", {
+            "LeaseGrant": ("unary_unary", etcdrpc.LeaseGrantRequest, etcdrpc.LeaseGrantResponse),
+            "LeaseRevoke": ("unary_unary", etcdrpc.LeaseRevokeRequest, etcdrpc.LeaseRevokeResponse),
+            "LeaseKeepAlive": ("stream_stream", etcdrpc.LeaseKeepAliveRequest, etcdrpc.LeaseKeepAliveResponse),
+        })
+        self.watch = _Service(self.channel, "Watch", {
+            "Watch": ("stream_stream", etcdrpc.WatchRequest, etcdrpc.WatchResponse),
+        })
+        self.auth = _Service(self.channel, "Auth", {
+            "Authenticate": ("unary_unary", etcdrpc.AuthenticateRequest, etcdrpc.AuthenticateResponse),
+        })
+
+
+@dataclass(frozen=True)
+class _Security:
+    """TLS and etcd auth settings of an alias. The password never shows in a repr, a message or a log line."""
+
+    tls: bool = False
+    ca_cert: str | None = None
+    cert_key: str | None = None
+    cert_cert: str | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+    def channel_credentials(self):
+        """Return gRPC TLS credentials from the PEM files (read at each channel build, so renewed files count)."""
+        def read(option, path):
+            if path is None:
+                return None
+            try:
+                with open(path, "rb") as file:
+                    return file.read()
+            except OSError as exc:
+                raise BackendUnavailable(f"could not read the {option} file {path!r}: {exc.strerror}") from None
+
+        return grpc.ssl_channel_credentials(root_certificates=read("CA_CERT", self.ca_cert),
+                                            private_key=read("CERT_KEY", self.cert_key),
+                                            certificate_chain=read("CERT_CERT", self.cert_cert))
+
+
+#: Every live connection of this process, for the fork hooks below.
+_CONNECTIONS = weakref.WeakSet()
 
 
 class _Connection:
     """The cluster's endpoints with failover: requests go to one endpoint until it fails, then to the next.
 
-    Built on the gRPC stubs python3-etcd3 generates rather than on its ``Etcd3Client``, which has one
-    timeout for every call (a caller's timeout could not bound a request), drops the transaction
-    header (the fencing token), shuns a failed endpoint for 5 minutes, and whose watch thread dies
-    with ``NameError: six`` when a stream ends, leaving waiters asleep.
+    Built on gRPC stubs of python3-etcd3's generated messages rather than on its ``Etcd3Client``,
+    which has one timeout for every call (a caller's timeout could not bound a request), drops the
+    transaction header (the fencing token), shuns a failed endpoint for 5 minutes, and whose watch
+    thread dies with ``NameError: six`` when a stream ends, leaving waiters asleep.
+
+    Fork. gRPC's core is not safe to fork while a thread is inside a call (the child hangs or finds
+    the parent's sockets in its new channels), so ``fork()`` first holds new calls back, closes the
+    channels (which cancels the calls in flight: they are sent again on new channels, as after a
+    failed endpoint) and waits for those calls to return. Both processes then build new channels at
+    their next request; the parent's session lease and locks are untouched.
     """
 
-    def __init__(self, alias, addresses, timeout):
+    def __init__(self, alias, addresses, timeout, security=None):
         self.alias = alias
         self.addresses = addresses
         self.timeout = timeout
+        self.security = security or _Security()
         self._channels = None
         self._current = 0
+        self._reset_state()
+        _CONNECTIONS.add(self)
+
+    def _reset_state(self):
         self._lock = threading.Lock()
+        #: Signalled when the last call in flight returns while a fork waits for it.
+        self._idle = threading.Condition(self._lock)
+        self._in_flight = 0
+        self._forking = False
+        #: Bumped when a fork closes the channels: a call that fails on an older channel is sent again.
+        self._generation = 0
+        #: The etcd auth token (USER/PASSWORD), or None until the first request authenticates.
+        self._token = None
 
     def _channel(self):
+        """Return the current endpoint's channel, opening the channels if needed."""
         with self._lock:
-            if self._channels is None:
-                self._channels = [_Channel(address) for address in self.addresses]
-            return self._channels[self._current]
+            return self._open()
+
+    def _open(self):
+        if self._channels is None:
+            self._channels = [_Channel(address, self.security) for address in self.addresses]
+        return self._channels[self._current]
+
+    @contextmanager
+    def _using(self):
+        """Yield the current channel and its generation, counted as in flight (a fork waits for it)."""
+        with self._lock:
+            while self._forking:
+                self._idle.wait()
+            channel = self._open()
+            generation = self._generation
+            self._in_flight += 1
+        try:
+            yield channel, generation
+        finally:
+            with self._lock:
+                self._in_flight = max(self._in_flight - 1, 0)
+                if self._forking and not self._in_flight:
+                    self._idle.notify_all()
 
     def _failed(self, channel):
         """Send the next requests to the endpoint after ``channel`` (unless another thread already moved on)."""
@@ -251,64 +398,113 @@ class _Connection:
             budget = min(budget, max(caller_deadline - now, MIN_REQUEST_SECONDS))
         return now + budget
 
+    def _metadata(self, channel, timeout):
+        """Return the metadata of a request: require a leader and, with USER set, carry the auth token."""
+        security = self.security
+        if security.user is None:
+            return _REQUIRE_LEADER
+        token = self._token
+        if token is None:
+            try:
+                token = channel.auth.Authenticate(
+                    etcdrpc.AuthenticateRequest(name=security.user, password=security.password),
+                    timeout=timeout, metadata=_REQUIRE_LEADER).token
+            except grpc.RpcError as exc:
+                _raise_foreign()
+                if exc.code() in _RETRIED_CODES:
+                    raise  # the member is down: the next endpoint is tried
+                raise BackendUnavailable(
+                    f"etcd alias '{self.alias}' could not authenticate as USER {security.user!r}: "
+                    f"{exc.code().name}: {exc.details()} (endpoint {channel.address}). Check USER and PASSWORD."
+                ) from None
+            self._token = token
+        return (*_REQUIRE_LEADER, ("token", token))
+
     def call(self, what, invoke, deadline):
-        """Return ``invoke(channel, timeout)``, trying the endpoints in turn until one answers or ``deadline`` passes.
+        """Return ``invoke(channel, timeout, metadata)``, trying the endpoints in turn until one answers or
+        ``deadline`` passes.
 
         Only idempotent requests go through here: a request whose answer was lost may have been applied.
+        An exception that is not gRPC's (a time limit, ``KeyboardInterrupt``) propagates untouched, even
+        when it was raised inside gRPC's response deserializer.
         """
         attempt_limit = max(self.timeout / len(self.addresses), MIN_REQUEST_SECONDS)
         pause = 0.02
         failures = 0
+        renewed_token = False
         while True:
-            channel = self._channel()
-            timeout = deadline - time.monotonic()
-            try:
-                return invoke(channel, max(min(timeout, attempt_limit), 0.001))
-            except grpc.RpcError as exc:
-                code = exc.code()
-                if code is grpc.StatusCode.NOT_FOUND and "lease not found" in (exc.details() or ""):
-                    raise _SessionGone(f"etcd alias '{self.alias}': {exc.details()} ({what}).") from exc
-                if code not in _RETRIED_CODES or time.monotonic() + pause >= deadline:
-                    hint = ("Check that the cluster is up and has a leader." if code in _RETRIED_CODES
-                            else "etcd refused the request.")
-                    raise BackendUnavailable(
-                        f"etcd alias '{self.alias}' could not {what}: {code.name}: {exc.details()} "
-                        f"(last endpoint {channel.address}; ENDPOINTS {', '.join(self.addresses)}). {hint}"
-                    ) from exc
-            except ValueError as exc:  # gRPC's "Cannot invoke RPC on closed channel!" while close() runs
-                raise BackendUnavailable(f"etcd alias '{self.alias}' could not {what}: {exc}") from exc
+            with self._using() as (channel, generation):
+                timeout = max(min(deadline - time.monotonic(), attempt_limit), 0.001)
+                _foreign.exc = None
+                try:
+                    return invoke(channel, timeout, self._metadata(channel, timeout))
+                except grpc.RpcError as exc:
+                    _raise_foreign()
+                    if generation != self._generation:
+                        continue  # a fork closed the channel under the call: send it again on a new one
+                    code, details = exc.code(), exc.details() or ""
+                    if code is grpc.StatusCode.NOT_FOUND and "lease not found" in details:
+                        raise _SessionGone(f"etcd alias '{self.alias}': {details} ({what}).") from exc
+                    if _INVALID_TOKEN in details and not renewed_token:
+                        self._token, renewed_token = None, True  # expired: authenticate again, once
+                        continue
+                    if code not in _RETRIED_CODES or time.monotonic() + pause >= deadline:
+                        raise BackendUnavailable(
+                            f"etcd alias '{self.alias}' could not {what}: {code.name}: {details} "
+                            f"(last endpoint {channel.address}; ENDPOINTS {', '.join(self.addresses)}). "
+                            f"{self._hint(code, details)}"
+                        ) from exc
+                except ValueError as exc:
+                    if "closed channel" not in str(exc):
+                        raise
+                    if generation != self._generation:
+                        continue  # closed by a fork between taking the channel and calling it
+                    # close() ran meanwhile
+                    raise BackendUnavailable(f"etcd alias '{self.alias}' could not {what}: {exc}") from exc
             self._failed(channel)
             failures += 1
             if failures % len(self.addresses) == 0:  # every endpoint failed once: do not spin
                 time.sleep(pause)
                 pause = min(pause * 2, 0.5)
 
+    def _hint(self, code, details):
+        lowered = details.lower()
+        if "handshake" in lowered or "certificate" in lowered or "ssl" in lowered:
+            return ("The TLS handshake failed: check that CA_CERT is the CA that signed the members' certificates "
+                    "(and CERT_CERT/CERT_KEY if the cluster checks client certificates).")
+        if "permission denied" in lowered or "user name" in lowered or "auth" in lowered:
+            return "etcd auth refused the request: check USER and PASSWORD, and the user's role."
+        if code in _RETRIED_CODES:
+            return "Check that the cluster is up and has a leader" + (
+                "." if self.security.tls else ", and set CA_CERT if it serves TLS.")
+        return "etcd refused the request."
+
     def txn(self, what, request, deadline):
-        return self.call(what, lambda channel, timeout: channel.kv.Txn(
-            request, timeout=timeout, metadata=_REQUIRE_LEADER), deadline)
+        return self.call(what, lambda channel, timeout, metadata: channel.kv.Txn(
+            request, timeout=timeout, metadata=metadata), deadline)
 
     def range(self, what, request, deadline):
-        return self.call(what, lambda channel, timeout: channel.kv.Range(
-            request, timeout=timeout, metadata=_REQUIRE_LEADER), deadline)
+        return self.call(what, lambda channel, timeout, metadata: channel.kv.Range(
+            request, timeout=timeout, metadata=metadata), deadline)
 
     def delete(self, what, key, deadline):
-        return self.call(what, lambda channel, timeout: channel.kv.DeleteRange(
-            etcdrpc.DeleteRangeRequest(key=key), timeout=timeout, metadata=_REQUIRE_LEADER), deadline)
+        return self.call(what, lambda channel, timeout, metadata: channel.kv.DeleteRange(
+            etcdrpc.DeleteRangeRequest(key=key), timeout=timeout, metadata=metadata), deadline)
 
     def grant_lease(self, ttl, deadline):
         # Not idempotent: a grant whose answer is lost leaves a lease nobody keeps alive; it expires after ttl.
-        return self.call("grant a session lease", lambda channel, timeout: channel.lease.LeaseGrant(
-            etcdrpc.LeaseGrantRequest(TTL=ttl), timeout=timeout, metadata=_REQUIRE_LEADER), deadline)
+        return self.call("grant a session lease", lambda channel, timeout, metadata: channel.lease.LeaseGrant(
+            etcdrpc.LeaseGrantRequest(TTL=ttl), timeout=timeout, metadata=metadata), deadline)
 
     def revoke_lease(self, lease_id, deadline):
-        return self.call("revoke the session lease", lambda channel, timeout: channel.lease.LeaseRevoke(
-            etcdrpc.LeaseRevokeRequest(ID=lease_id), timeout=timeout, metadata=_REQUIRE_LEADER), deadline)
+        return self.call("revoke the session lease", lambda channel, timeout, metadata: channel.lease.LeaseRevoke(
+            etcdrpc.LeaseRevokeRequest(ID=lease_id), timeout=timeout, metadata=metadata), deadline)
 
     def keep_alive(self, lease_id, deadline):
         """Refresh the lease once; return its TTL as etcd reports it (0 or less: etcd no longer has it)."""
-        def invoke(channel, timeout):
+        def invoke(channel, timeout, metadata):
             stream = channel.lease.LeaseKeepAlive(iter([etcdrpc.LeaseKeepAliveRequest(ID=lease_id)]),
-                                                  timeout=timeout, metadata=_REQUIRE_LEADER)
+                                                  timeout=timeout, metadata=metadata)
             try:
                 return next(stream).TTL
             except StopIteration:
@@ -327,40 +523,46 @@ class _Connection:
         100 ms to each hand-off of a busy lock (other waiters write in between). A deletion between
         ``seen_at`` and the start of the watch is caught by reading the key once the watch exists.
         The caller re-reads the queue whatever woke it, so a stream that broke (its member stopped or
-        lost the leader) wakes the waiter instead of leaving it blocked.
+        lost the leader, a fork closed the channel) wakes the waiter instead of leaving it blocked.
         """
         timeout = until - time.monotonic()
         if timeout <= 0:
             return
-        channel = self._channel()
         request = etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(
             key=key, filters=[etcdrpc.WatchCreateRequest.NOPUT]))
-        try:
-            stream = channel.watch.Watch(iter([request]), timeout=timeout, metadata=_REQUIRE_LEADER)
-        except ValueError:  # the channel was closed by close(); the next request reports it
-            return
-        try:
-            for response in stream:
-                if response.events or response.canceled or response.compact_revision:
-                    return
-                # The watch reports every deletion after header.revision, the revision it started at.
-                if response.created and response.header.revision > seen_at and not self._still_there(
-                        channel, key, create_revision, until):
-                    return
-        except grpc.RpcError as exc:
-            if exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-                logger.info("etcd watch on %s ended (%s: %s); re-reading the queue", channel.address,
-                            exc.code().name, exc.details())
-                self._failed(channel)
-                time.sleep(min(0.05, max(until - time.monotonic(), 0)))  # do not spin on a member that is down
-        finally:
-            stream.cancel()
+        with self._using() as (channel, _):
+            _foreign.exc = None
+            try:
+                metadata = self._metadata(channel, timeout)
+                stream = channel.watch.Watch(iter([request]), timeout=timeout, metadata=metadata)
+            except grpc.RpcError:
+                _raise_foreign()
+                return  # the caller re-reads the queue through ``call``, which reports a failing cluster
+            except ValueError:  # the channel was closed by close() or a fork; the next request reports it
+                return
+            try:
+                for response in stream:
+                    if response.events or response.canceled or response.compact_revision:
+                        return
+                    # The watch reports every deletion after header.revision, the revision it started at.
+                    if response.created and response.header.revision > seen_at and not self._still_there(
+                            channel, key, create_revision, until, metadata):
+                        return
+            except grpc.RpcError as exc:
+                _raise_foreign()
+                if exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                    logger.info("etcd watch on %s ended (%s: %s); re-reading the queue", channel.address,
+                                exc.code().name, exc.details())
+                    self._failed(channel)
+                    time.sleep(min(0.05, max(until - time.monotonic(), 0)))  # do not spin on a member that is down
+            finally:
+                stream.cancel()
 
     @staticmethod
-    def _still_there(channel, key, create_revision, until):
+    def _still_there(channel, key, create_revision, until, metadata):
         """Return True if incarnation ``create_revision`` of ``key`` exists now (a linearizable read)."""
         kvs = channel.kv.Range(etcdrpc.RangeRequest(key=key, keys_only=True),
-                               timeout=max(until - time.monotonic(), 0.001), metadata=_REQUIRE_LEADER).kvs
+                               timeout=max(until - time.monotonic(), 0.001), metadata=metadata).kvs
         return bool(kvs) and kvs[0].create_revision == create_revision
 
     def close(self):
@@ -368,6 +570,72 @@ class _Connection:
             channels, self._channels, self._current = self._channels, None, 0
         for channel in channels or ():
             channel.channel.close()
+
+    # -- fork (see the class docstring) -------------------------------------------------------------
+
+    def _before_fork(self):
+        """Hold new calls back, close the channels (cancelling calls in flight), wait for those to return.
+
+        Returns with ``_lock`` held: no thread of the parent holds it while the child is made.
+        """
+        with self._lock:
+            self._forking = True
+            channels, self._channels = self._channels, None
+            self._generation += 1
+        for channel in channels or ():
+            try:
+                channel.channel.close()
+            except Exception:  # noqa: BLE001 - a fork hook must not fail half-way (it would leave _lock taken)
+                logger.exception("etcd alias '%s': closing a channel before fork() failed", self.alias)
+        give_up = time.monotonic() + FORK_QUIESCE_SECONDS
+        self._lock.acquire()
+        while self._in_flight and time.monotonic() < give_up:
+            self._idle.wait(max(give_up - time.monotonic(), 0))
+        # gRPC's own thread that completes streaming calls leaves once their cancellations are processed.
+        while any(_managed_calls(channel) for channel in channels or ()) and time.monotonic() < give_up:
+            self._idle.wait(0.005)
+        if self._in_flight or any(_managed_calls(channel) for channel in channels or ()):
+            logger.warning("etcd alias '%s': calls were still in gRPC when fork() went ahead after %.1fs",
+                           self.alias, FORK_QUIESCE_SECONDS)
+
+    def _after_fork_in_parent(self):
+        self._forking = False
+        self._idle.notify_all()
+        self._lock.release()
+
+    def _after_fork_in_child(self):
+        """Start afresh: no parent thread exists here to release the lock or finish a call."""
+        self._channels, self._current = None, 0
+        self._reset_state()
+
+
+def _managed_calls(channel):
+    """Return how many calls gRPC's completion thread of ``channel`` still handles (0 if unknown)."""
+    state = getattr(channel.channel, "_call_state", None)
+    return getattr(state, "managed_calls", 0)
+
+
+def _before_fork():
+    for connection in list(_CONNECTIONS):
+        connection._before_fork()
+
+
+def _after_fork_in_parent():
+    for connection in list(_CONNECTIONS):
+        if connection._forking:
+            connection._after_fork_in_parent()
+
+
+def _after_fork_in_child():
+    for connection in list(_CONNECTIONS):
+        connection._after_fork_in_child()
+    for backend in list(_BACKENDS):
+        backend._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_after_fork_in_child)
 
 
 # -- State kept by the backend ----------------------------------------------------------------------
@@ -392,10 +660,17 @@ class _Session:
         self.leases = weakref.WeakSet()
         #: Slots in use, per lock name: {name: {slot: owner of the acquire call using it}}.
         self.slots = {}
+        #: The process that holds it: a forked child inherits the object, not the session.
+        self.pid = os.getpid()
 
     def usable(self, now):
         """Return True if locks may be granted on this session at ``now`` (monotonic): not lost, not run out."""
         return self.lost is None and now < self.valid_until
+
+    @property
+    def ours(self):
+        """True in the process that was granted the session; False in a forked child."""
+        return self.pid == os.getpid()
 
 
 @dataclass
@@ -446,22 +721,29 @@ class _Expiry:
 
 
 def _parse_endpoints(value):
-    """Return ``value`` ("host:port,..." or a list of them) as a list of "host:port"; raise ``ValueError``."""
+    """Return ``value`` ("host:port,..." or a list of them) as a list of "host:port", and whether they are
+    ``https://`` (TLS); raise ``ValueError``."""
     items = value.split(",") if isinstance(value, str) else list(value)
-    endpoints = []
+    endpoints, schemes = [], set()
     for item in items:
         if not isinstance(item, str):
-            raise ValueError(f"each endpoint must be a 'host:port' string, got {item!r}")
-        address = item.strip().removeprefix("http://")
-        if address.startswith("https://"):
-            raise ValueError(f"TLS endpoints are not supported, got {item!r}")
+            raise ValueError(f"each endpoint must be a 'host:port' string, got {redact(repr(item))}")
+        address = item.strip()
+        scheme, separator, rest = address.partition("://")
+        if separator:
+            if scheme not in ("http", "https"):
+                raise ValueError(f"an endpoint's scheme must be http:// or https://, got {redact(repr(item))}")
+            schemes.add(scheme)
+            address = rest
         host, _, port = address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"each endpoint must be 'host:port' with a port from 1 to 65535, got {item!r}")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536 or "@" in host or "/" in host:
+            raise ValueError(f"each endpoint must be 'host:port' with a port from 1 to 65535, got {redact(repr(item))}")
         endpoints.append(address)
     if not endpoints:
         raise ValueError("at least one endpoint is needed")
-    return endpoints
+    if len(schemes) > 1:
+        raise ValueError("endpoints mix http:// and https://; one cluster speaks TLS on every member or on none")
+    return endpoints, schemes == {"https"}
 
 
 def _check_endpoints(value):
@@ -488,8 +770,87 @@ def _check_port(value):
     return None if value is None or 0 < value < 65536 else "must be a port number from 1 to 65535"
 
 
+def _check_not_empty(value):
+    return None if value is None or value else "must not be empty (None leaves it unset)"
+
+
+class _SecretOption(Option):
+    """An option whose value is a secret: no message ever shows it, not even a wrong one."""
+
+    def clean(self, alias, name, value):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ImproperlyConfigured(
+                f"DISTLOCK['{alias}']['OPTIONS']['{name}'] must be {self.expected}, got "
+                f"{'an empty str' if value == '' else 'a ' + type(value).__name__} (the value is not shown)."
+            )
+        return value
+
+
+def _uses_tls(options):
+    """Return True if the alias's cleaned options ask for TLS: a CA_CERT, or ``https://`` endpoints."""
+    https = options["ENDPOINTS"] is not None and _parse_endpoints(options["ENDPOINTS"])[1]
+    return options["CA_CERT"] is not None or https
+
+
+def _green_library():
+    """Return "gevent" or "eventlet" if that library monkey-patched ``socket`` in this process, else None."""
+    if "gevent" in sys.modules:
+        from gevent import monkey  # noqa: PLC0415 - only in a process that imported gevent
+
+        if monkey.is_module_patched("socket"):
+            return "gevent"
+    if "eventlet" in sys.modules:
+        from eventlet import patcher  # noqa: PLC0415 - only in a process that imported eventlet
+
+        if patcher.is_monkey_patched("socket"):
+            return "eventlet"
+    return None
+
+
+def _gevent_activated():
+    from grpc._cython import cygrpc  # noqa: PLC0415 - gRPC's own flag, set by init_gevent()
+
+    return bool(getattr(cygrpc, "g_gevent_activated", False))
+
+
+def _green_problem(alias):
+    """Return why gRPC would block this green process's hub, or None (no I/O, no side effect).
+
+    Under eventlet gRPC's C core blocks the hub (there is no eventlet support in gRPC): refused.
+    Under gevent ``init_gevent()`` makes gRPC cooperative, but only before the process opened a channel.
+    """
+    green = _green_library()
+    if green == "eventlet":
+        return (f"DISTLOCK['{alias}'] uses etcd in a process monkey-patched by eventlet: gRPC has no eventlet "
+                "support, its calls block every green thread of the process (keepalives miss, leases are lost). "
+                "Run this process without eventlet (Celery --pool=prefork, threads or gevent), or use another "
+                "backend (Redis, ZooKeeper, the database) for this alias.")
+    if green == "gevent" and _channels_opened and not _gevent_activated():
+        return (f"DISTLOCK['{alias}'] uses etcd in a process monkey-patched by gevent, but gRPC channels were "
+                "opened before gRPC's gevent support was enabled, so its calls would block every greenlet. Call "
+                "grpc.experimental.gevent.init_gevent() right after gevent.monkey.patch_all(), before anything "
+                "uses etcd.")
+    return None
+
+
+def _prepare_for_green_threads(alias):
+    """Make gRPC cooperative in a gevent-patched process (``init_gevent()``); raise where it cannot be."""
+    problem = _green_problem(alias)
+    if problem:
+        raise ImproperlyConfigured(problem)
+    if _green_library() == "gevent" and not _gevent_activated():
+        import grpc.experimental.gevent  # noqa: PLC0415 - only under gevent
+
+        grpc.experimental.gevent.init_gevent()
+        logger.info("etcd alias '%s': gevent-patched process, enabled gRPC's gevent support (init_gevent())", alias)
+
+
 def _parse_time(value):
     return datetime.fromisoformat(value) if isinstance(value, str) else None
+
+
+#: Every live backend of this process, for the fork hook (``_after_fork_in_child``).
+_BACKENDS = weakref.WeakSet()
 
 
 class EtcdBackend(BaseLockBackend):
@@ -518,6 +879,15 @@ class EtcdBackend(BaseLockBackend):
         "LEASE_TTL": Option(int, 10, check=_check_lease_ttl, expected="a whole number of seconds (int)"),
         "TIMEOUT": Option((int, float), 5, check=positive_number, expected="a number of seconds"),
         "PREFIX": Option(str, "/distlock/", check=_check_prefix, expected="a str"),
+        # TLS and auth, named like python3-etcd3's client(ca_cert=, cert_key=, cert_cert=, user=, password=).
+        "CA_CERT": Option((str, type(None)), None, check=_check_not_empty,
+                          expected="the path of the PEM file of the CA that signed the members' certificates"),
+        "CERT_KEY": Option((str, type(None)), None, check=_check_not_empty,
+                           expected="the path of the PEM file of the client certificate's private key"),
+        "CERT_CERT": Option((str, type(None)), None, check=_check_not_empty,
+                            expected="the path of the PEM file of the client certificate"),
+        "USER": Option((str, type(None)), None, check=_check_not_empty, expected="an etcd user name"),
+        "PASSWORD": _SecretOption((str, type(None)), None, expected="a non-empty str"),
     }
 
     @classmethod
@@ -527,16 +897,50 @@ class EtcdBackend(BaseLockBackend):
                 f"DISTLOCK['{alias}']['OPTIONS'] gives both ENDPOINTS and HOST/PORT; "
                 "use ENDPOINTS for a cluster, or HOST/PORT for a single member."
             )
+        if (options["CERT_KEY"] is None) != (options["CERT_CERT"] is None):
+            raise ImproperlyConfigured(
+                f"DISTLOCK['{alias}']['OPTIONS'] gives only one of CERT_KEY and CERT_CERT; a client certificate "
+                "needs both (or neither)."
+            )
+        if options["CERT_CERT"] is not None and not _uses_tls(options):
+            raise ImproperlyConfigured(
+                f"DISTLOCK['{alias}']['OPTIONS'] gives a client certificate (CERT_CERT/CERT_KEY) without TLS; set "
+                "CA_CERT (or https:// ENDPOINTS to trust the system's CAs)."
+            )
+        if (options["USER"] is None) != (options["PASSWORD"] is None):
+            raise ImproperlyConfigured(
+                f"DISTLOCK['{alias}']['OPTIONS'] gives only one of USER and PASSWORD; etcd auth needs both."
+            )
+        problem = _green_problem(alias)
+        if problem:
+            raise ImproperlyConfigured(problem)
+
+    @classmethod
+    def security_warnings(cls, alias, options):
+        """Warn when the alias speaks to etcd in clear text without auth, or sends its password in clear text."""
+        tls, auth = _uses_tls(options), options["USER"] is not None
+        if not tls and not auth:
+            return ["etcd is used without TLS and without auth: anyone who can reach the cluster can read and "
+                    "delete lock keys (and so take any lock). Set CA_CERT (TLS; CERT_CERT/CERT_KEY for client "
+                    "certificates) and USER/PASSWORD (etcd auth)."]
+        if auth and not tls:
+            return ["etcd auth is used without TLS: the password and the auth token cross the network in clear "
+                    "text. Set CA_CERT (and https:// ENDPOINTS)."]
+        return []
 
     def __init__(self, alias, options):
         super().__init__(alias, options)
         settings = self.settings
+        tls = _uses_tls(settings)
         if settings["ENDPOINTS"] is not None:
-            endpoints = _parse_endpoints(settings["ENDPOINTS"])
+            endpoints, _ = _parse_endpoints(settings["ENDPOINTS"])
         else:
             endpoints = [f"{settings['HOST'] or '127.0.0.1'}:{settings['PORT'] or 2379}"]
+        _prepare_for_green_threads(alias)
         self._prefix = settings["PREFIX"].encode()
-        self._connection = _Connection(alias, endpoints, settings["TIMEOUT"])
+        security = _Security(tls=tls, ca_cert=settings["CA_CERT"], cert_key=settings["CERT_KEY"],
+                             cert_cert=settings["CERT_CERT"], user=settings["USER"], password=settings["PASSWORD"])
+        self._connection = _Connection(alias, endpoints, settings["TIMEOUT"], security)
         #: Guards the session pointer, the expiry schedule and the cleanup sets (never held during I/O).
         self._lock = threading.Lock()
         #: Serialises granting a session lease, so concurrent first acquisitions share one.
@@ -549,6 +953,25 @@ class EtcdBackend(BaseLockBackend):
         self._keeper = None
         self._keeper_wake = None
         self._keeper_stop = None
+        _BACKENDS.add(self)
+
+    def _after_fork_in_child(self):
+        """Forget the parent's session in a forked child: its keys are the parent's; this process gets its own.
+
+        The parent's threads do not exist here (a greenlet of a gevent process does: it is told to stop).
+        Its leases stay the parent's: releasing or extending one here does nothing.
+        """
+        if self._keeper_stop is not None:
+            self._keeper_stop.set()
+            self._keeper_wake.set()
+        self._lock = threading.Lock()
+        self._session_grant_lock = threading.Lock()
+        self._session = None
+        self._expiries = {}
+        self._expiry_heap = []
+        self._orphan_keys = set()
+        self._orphan_leases = set()
+        self._keeper = self._keeper_wake = self._keeper_stop = None
 
     def _lock_prefix(self, name):
         return _keys_of_lock(self._prefix, name)
@@ -765,7 +1188,11 @@ class EtcdBackend(BaseLockBackend):
         session.next_keepalive = sent + ttl / 3
 
     def _session_lost(self, session, reason):
-        """Mark every lease held on ``session`` lost (once) and forget the session; revoke it when reachable."""
+        """Mark every lease held on ``session`` lost (once) and forget the session; revoke it when reachable.
+
+        Setting ``session.lost`` makes every one of its leases fail ``check()`` at once (see
+        ``session_valid_until``), before the first ``lock_lost`` is sent.
+        """
         with self._lock:
             if session.lost is not None:
                 return
@@ -777,9 +1204,28 @@ class EtcdBackend(BaseLockBackend):
             self._orphan_leases.add(session.id)
             for lease in leases:
                 self._forget_expiry(lease.handle)
+        try:
+            self._announce_lost(leases, f"its etcd session lease {session.id:x} was lost: {reason}")
+        finally:
+            self._wake_keeper()
+
+    def _announce_lost(self, leases, reason):
+        """Mark each lease lost and send ``lock_lost``: a receiver that raises stops neither the rest nor us.
+
+        On the background thread anything a receiver raises is logged; on a caller's thread an exception
+        that is not an ``Exception`` (``KeyboardInterrupt``, a time limit) is raised again once every
+        lease was announced.
+        """
+        pending = None
         for lease in leases:
-            lease.mark_lost(f"its etcd session lease {session.id:x} was lost: {reason}")
-        self._wake_keeper()
+            try:
+                lease.mark_lost(reason)
+            except BaseException as exc:  # noqa: BLE001 - every lease must be reported, whatever a receiver does
+                logger.exception("Reporting the loss of lock %r (alias %r) raised; the other leases are still "
+                                 "reported.", lease.name, self.alias)
+                pending = pending or exc
+        if pending is not None and threading.current_thread() is not self._keeper:
+            raise pending
 
     # -- the per-call ttl ------------------------------------------------------------------------
 
@@ -837,8 +1283,11 @@ class EtcdBackend(BaseLockBackend):
     # -- the background thread -------------------------------------------------------------------
 
     def _ensure_keeper(self):
+        """Start the background thread, or wake it: a new session must get its first keepalive in time
+        (the thread may be asleep for up to a minute after the previous session was lost)."""
         with self._lock:
             if self._keeper is not None and self._keeper.is_alive():
+                self._keeper_wake.set()
                 return
             self._keeper_wake, self._keeper_stop = threading.Event(), threading.Event()
             self._keeper = threading.Thread(
@@ -903,6 +1352,8 @@ class EtcdBackend(BaseLockBackend):
 
     def _do_release(self, lease):
         handle = lease.handle
+        if not handle.session.ours:
+            return False  # the parent's lock, inherited by a forked child: not this process's to release
         with self._lock:
             handle.session.leases.discard(lease)
             self._forget_expiry(handle)
@@ -920,11 +1371,20 @@ class EtcdBackend(BaseLockBackend):
         return response.succeeded
 
     def session_valid_until(self, lease):
-        """The session lease's validity: the last keepalive that got through was sent ``ttl`` before it."""
-        return lease.handle.session.valid_until
+        """The session lease's validity: the last keepalive that got through was sent ``ttl`` before it.
+
+        -inf once the session is known lost, so all its leases fail ``check()`` together, and in a
+        forked child, which does not hold the parent's session.
+        """
+        session = lease.handle.session
+        if session.lost is not None or not session.ours:
+            return -math.inf
+        return session.valid_until
 
     def _do_extend(self, lease, ttl):
         handle = lease.handle
+        if not handle.session.ours:
+            return False  # the parent's lock, inherited by a forked child
         started = time.monotonic()
         with self._lock:
             expiry = self._expiries.get(handle.key)
@@ -994,8 +1454,7 @@ class EtcdBackend(BaseLockBackend):
                       if (lease.handle.key, lease.handle.create_revision) == (key, create_revision)]
             for lease in leases:
                 self._forget_expiry(lease.handle)
-        for lease in leases:
-            lease.mark_lost("an operator force-released it")
+        self._announce_lost(leases, "an operator force-released it")
 
     def ping(self):
         self._connection.range("answer a ping", etcdrpc.RangeRequest(
@@ -1037,7 +1496,9 @@ def _run_keeper(backend_ref, wake, stop):
         wake.clear()
         try:
             wait = backend._keep()
-        except Exception:
+        except BaseException as exc:  # noqa: BLE001 - the thread that keeps the session alive must outlive anything
+            if type(exc).__name__ == "GreenletExit":
+                raise  # the greenlet was killed on purpose
             logger.exception("etcd background work failed; retrying")
             wait = 0.5
         del backend

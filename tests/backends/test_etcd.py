@@ -4,9 +4,12 @@ The destructive tests (pause, stop, kill members) run on a cluster of this modul
 the shared one of the contract suite; each restores every member before it ends.
 """
 
+import json
 import logging
 import math
 import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -24,7 +27,7 @@ from distlock.signals import lock_lost
 from tests.conftest import require_alias
 from tests.servers import free_port
 from tests.servers.etcd import ELECTION_TIMEOUT_MS, EtcdCluster
-from tests.workers import spawn
+from tests.workers import ROOT, child_env, spawn
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
@@ -54,7 +57,12 @@ def test_endpoint_options(options, endpoints):
     ({"ENDPOINTS": "a:0"}, "port from 1 to 65535"),
     ({"ENDPOINTS": ["a:1", 7]}, "'host:port' string"),
     ({"ENDPOINTS": []}, "at least one endpoint"),
-    ({"ENDPOINTS": "https://a:1"}, "TLS"),
+    ({"ENDPOINTS": "https://a:1,http://b:2"}, "mix http:// and https://"),
+    ({"ENDPOINTS": "ftp://a:1"}, "http:// or https://"),
+    ({"CERT_CERT": "/c.pem"}, "only one of CERT_KEY and CERT_CERT"),
+    ({"CERT_CERT": "/c.pem", "CERT_KEY": "/k.pem"}, "without TLS"),
+    ({"USER": "root"}, "only one of USER and PASSWORD"),
+    ({"CA_CERT": ""}, "CA_CERT"),
     ({"ENDPOINTS": 2379}, "ENDPOINTS"),
     ({"PORT": "2379"}, "PORT"),
     ({"LEASE_TTL": 2.5}, "whole number of seconds"),
@@ -423,6 +431,8 @@ def test_keepalive_failure_past_the_lease_ttl_marks_leases_lost(
     try:
         wait_for(lambda: lease.lost, session_timeout + 1.5, "the lease was not marked lost")
         lost_after = time.monotonic() - failed_at
+        # Marked lost (check() fails) first, announced right after, by the background thread.
+        wait_for(lambda: lost_leases, 2, "lock_lost was not sent")
         assert lost_after >= session_timeout * 2 / 3, "not before the last keepalive's lease could run out"
         assert [lost for lost, _ in lost_leases] == [lease] and "session lease" in lost_leases[0][1]
         with pytest.raises(distlock.LockLost, match="session lease"):
@@ -500,3 +510,275 @@ def test_a_holder_frozen_past_its_session_ttl_finds_its_lease_expired_at_once(lo
     finally:
         holder.kill()
         holder.communicate()
+
+
+# -- loss detection survives any lock_lost receiver --------------------------------------------------------
+
+
+class _ReceiverCrashed(BaseException):
+    """Not an ``Exception``: ``send_robust`` lets it through, like a time limit landing in a receiver."""
+
+
+@pytest.mark.parametrize("error", [RuntimeError, _ReceiverCrashed])
+def test_a_raising_lock_lost_receiver_leaves_no_lease_of_the_session_unmarked(configure, cluster, lock_name, error):
+    """The session lease is revoked under two leases: both fail ``check()`` before the first receiver
+    runs, both are announced although every receiver call raises, and the background thread lives on."""
+    (alias,) = configure(etcd_own={"LEASE_TTL": ETCD_MIN_TTL})
+    leases = [distlock.acquire(f"{lock_name}:{i}", ttl=60, using=alias) for i in range(2)]
+    session = leases[0].handle.session
+    assert leases[1].handle.session is session
+    calls = []
+
+    def receiver(lease, **kwargs):
+        if any(lease is mine for mine in leases):
+            calls.append((lease, [mine.lost for mine in leases]))
+            raise error("the alerting service is down")
+
+    lock_lost.connect(receiver, weak=False)
+    try:
+        cluster.revoke_lease(session.id)
+        wait_for(lambda: len(calls) == 2, 3 * ETCD_MIN_TTL, "both leases were not announced lost")
+    finally:
+        lock_lost.disconnect(receiver)
+    assert {id(lease) for lease, _ in calls} == {id(lease) for lease in leases}
+    assert [flags for _, flags in calls] == [[True, True], [True, True]], "marked lost before any receiver ran"
+    for lease in leases:
+        with pytest.raises(distlock.LockLost, match="session"):
+            lease.check()
+    backend = locks[alias]
+    assert backend._keeper.is_alive(), "the background thread survived the receivers"
+    again = distlock.acquire(lock_name, ttl=60, using=alias)
+    first_valid_until = again.handle.session.valid_until
+    wait_for(lambda: again.handle.session.valid_until > first_valid_until, 2 * ETCD_MIN_TTL,
+             "the new session lease was not kept alive")
+    assert again.release() is True
+
+
+# -- an exception raised inside a gRPC call surfaces as itself ---------------------------------------------
+
+
+class _SoftTimeLimit(Exception):  # noqa: N818 - named like Celery's SoftTimeLimitExceeded, also an Exception
+    """What a Celery soft time limit raises from its signal handler, wherever the main thread is."""
+
+
+class _HardInterrupt(BaseException):
+    """A ``BaseException`` raised from a signal handler (``KeyboardInterrupt``-like)."""
+
+
+@pytest.mark.parametrize("error", [_SoftTimeLimit, _HardInterrupt])
+def test_an_exception_raised_inside_grpc_s_deserializer_surfaces_as_itself(
+        configure, monkeypatch, cluster, prefix, lock_name, error):
+    """gRPC turns an ``Exception`` raised while it deserializes a response into a failed call (INTERNAL):
+    a time limit landing there must reach the caller as itself, not as ``BackendUnavailable``, and the
+    grant of the interrupted acquire must be given back."""
+    from etcd3 import etcdrpc  # noqa: PLC0415
+
+    (alias,) = configure(etcd_own={})
+    parse, armed = etcdrpc.TxnResponse.FromString, []
+
+    def interrupted(data):
+        if armed:
+            armed.pop()
+            raise error("time limit exceeded")
+        return parse(data)
+
+    monkeypatch.setattr(etcdrpc.TxnResponse, "FromString", interrupted)  # before the alias opens its channels
+    distlock.acquire(f"{lock_name}:warm-up", ttl=10, using=alias).release()
+    armed.append(True)
+    with pytest.raises(error, match="time limit exceeded"):
+        distlock.acquire(lock_name, ttl=10, using=alias)
+    assert not armed, "the patched deserializer ran inside the acquire"
+    wait_for(lambda: queue_length(cluster, prefix, lock_name) == 0, 5, "the interrupted grant was not given back")
+    distlock.acquire(lock_name, ttl=10, blocking=False, using=alias).release()
+
+
+# -- fork: the parent's session survives, children work ----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_forks_of_a_process_busy_with_etcd_work_in_the_child_and_leave_the_parent_intact(lock_name):
+    """Celery prefork: the main process used etcd (the revoke handler releases locks there), then billiard
+    forks children on top of its gRPC state while its threads may be inside calls. Each child takes and
+    releases a lock and exits 0 within its deadline; the parent's lease still extends, its session is
+    the same, and it takes new locks."""
+    alias = require_alias("etcd")
+    worker = spawn("etcd_fork", alias=alias, prefix=lock_name, forks=8, child_deadline=10)
+    try:
+        out, err = worker.communicate(timeout=150)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.communicate()
+    assert worker.returncode == 0, err[-4000:]
+    (report,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    # gRPC's own verdict on each fork: with a thread inside a call it skips its fork handlers, and the
+    # child may then crash (SIGSEGV, "Check failed: next_worker->state == KICKED") or hang.
+    assert "skipping fork() handlers" not in err, err[-2000:]
+    assert [child["status"] for child in report["children"]] == [0] * 8, report
+    assert report["extended"] is True and report["check"] == "ok", report
+    assert report["same_session"] and report["fresh_session"], report
+    assert report["released"] == [True, True], report
+    assert report["error_count"] == 0 and report["cycles"] > 0, report
+
+
+def test_an_inherited_backend_in_a_forked_child_leaves_the_parent_s_locks_alone(configure, cluster, prefix, lock_name):
+    (alias,) = configure(etcd_own={})
+    lease = distlock.acquire(lock_name, ttl=60, using=alias)
+    backend = locks[alias]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's lease and backend object, inherited
+        try:
+            report = f"{lease.release()},{backend._session is None},{lease.lost}"
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            report = repr(exc)
+        os.write(write, report.encode())
+        os._exit(0)
+    os.close(write)
+    wait_for(lambda: os.waitpid(pid, os.WNOHANG)[0] == pid, 20, "the child did not exit")
+    with os.fdopen(read) as pipe:
+        assert pipe.read() == "False,True,True", "the child neither released the parent's lock nor kept its session"
+    assert queue_length(cluster, prefix, lock_name) == 1
+    assert lease.extend() is True and lease.release() is True
+
+
+# -- green threads -----------------------------------------------------------------------------------------
+
+
+def _run_patched(patch, scenario, arguments, timeout=90):
+    code = f"{patch}\nimport runpy\nrunpy.run_module('tests.workers', run_name='__main__', alter_sys=True)"
+    worker = subprocess.Popen([sys.executable, "-c", code, scenario, json.dumps(arguments)],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=child_env(), cwd=ROOT)
+    try:
+        out, err = worker.communicate(timeout=timeout)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.communicate()
+    return worker.returncode, [json.loads(line) for line in out.splitlines() if line.startswith("{")], err
+
+
+@pytest.mark.slow
+def test_under_gevent_grpc_cooperates_and_a_renewed_lease_survives_four_ttls(lock_name):
+    """10 greenlets x 5 lock/unlock cycles and a lease held with auto_renew for 4x its ttl: the lease is
+    kept, and a heartbeat greenlet ticking every 50 ms never waits more than 1 s (gRPC yields to the hub)."""
+    pytest.importorskip("gevent")
+    alias = require_alias("etcd")
+    code, events, err = _run_patched("from gevent import monkey; monkey.patch_all()", "etcd_green",
+                                     {"alias": alias, "prefix": lock_name, "threads": 10, "cycles": 5, "ttl": 2.0,
+                                      "hold_for": 8.0}, timeout=45)
+    assert code == 0, err[-4000:]
+    (report,) = events
+    assert report["gevent_activated"] is True, report
+    assert report["error_count"] == 0 and report["check"] == "ok" and report["released"] is True, report
+    assert report["max_gap"] < 1.0, report
+    assert report["held"] == [], report
+
+
+def test_under_eventlet_the_alias_is_refused_with_the_fix_named(lock_name):
+    """gRPC has no eventlet support (its calls block every green thread): building the alias and the
+    system checks both refuse, naming what to do instead."""
+    pytest.importorskip("eventlet")
+    alias = require_alias("etcd")
+    code, events, err = _run_patched("import eventlet; eventlet.monkey_patch()", "etcd_eventlet_refused",
+                                     {"alias": alias, "name": lock_name}, timeout=60)
+    assert code == 0, err[-4000:]
+    (report,) = events
+    assert report["acquire"].startswith("ImproperlyConfigured") and "eventlet" in report["acquire"], report
+    assert "Celery --pool=prefork" in report["acquire"], report
+    assert any("eventlet" in message for message in report["check_errors"]), report
+
+
+# -- TLS and auth on a secured single-member cluster -------------------------------------------------------
+
+SECRET = "Zq81-never-shown-4u"
+
+
+@pytest.fixture(scope="module")
+def secure_cluster(tmp_path_factory):
+    """One member: TLS with client certificates required, and etcd auth on (user root, password SECRET)."""
+    with EtcdCluster(tmp_path_factory.mktemp("etcd-secure"), size=1, tls=True) as running:
+        running.enable_auth(SECRET)
+        yield running
+
+
+@pytest.fixture
+def configure_secure(settings, secure_cluster, prefix):
+    def configure_alias(**options):
+        full = {"ENDPOINTS": secure_cluster.endpoints, "PREFIX": prefix, **secure_cluster.tls_options(),
+                "USER": "root", "PASSWORD": SECRET}
+        full.update(options)
+        settings.DISTLOCK = {**settings.DISTLOCK, "etcd_secure": {
+            "BACKEND": BACKEND, "OPTIONS": {key: value for key, value in full.items() if value is not None}}}
+        return "etcd_secure"
+
+    return configure_alias
+
+
+def test_a_lock_round_trip_over_tls_with_auth(configure_secure, secure_cluster, prefix, lock_name):
+    alias = configure_secure()
+    with distlock.lock(lock_name, ttl=10, using=alias) as lease:
+        assert [info.owner for info in locks[alias].held_locks(lock_name)] == [lease.owner]
+        assert len(secure_cluster.keys(prefix.encode())) == 1
+        assert lease.extend() is True
+    assert secure_cluster.keys(prefix.encode()) == []
+
+
+@pytest.mark.parametrize("ca", ["wrong", "missing"])
+def test_a_wrong_or_missing_ca_is_backend_unavailable_naming_tls(configure_secure, secure_cluster, lock_name, ca):
+    ca_cert = str(secure_cluster.pki.other_ca) if ca == "wrong" else None  # missing: the system's CAs
+    alias = configure_secure(CA_CERT=ca_cert, TIMEOUT=1)
+    started = time.monotonic()
+    with pytest.raises(distlock.BackendUnavailable, match="TLS handshake failed") as excinfo:
+        distlock.acquire(lock_name, ttl=10, using=alias)
+    assert time.monotonic() - started < 5
+    assert "CA_CERT" in str(excinfo.value) and SECRET not in str(excinfo.value)
+
+
+def test_a_wrong_password_is_backend_unavailable_without_the_password(configure_secure, lock_name, caplog):
+    wrong = SECRET + "-wrong"
+    alias = configure_secure(PASSWORD=wrong)
+    with caplog.at_level(logging.DEBUG):
+        with pytest.raises(distlock.BackendUnavailable, match="could not authenticate as USER 'root'") as excinfo:
+            distlock.acquire(lock_name, ttl=10, using=alias)
+    message = str(excinfo.value)
+    assert "Check USER and PASSWORD" in message
+    for secret in (wrong, SECRET):
+        assert secret not in message and secret not in caplog.text
+        assert secret not in repr(locks[alias]) and secret not in repr(locks[alias]._connection.security)
+
+
+def test_no_credentials_on_an_auth_cluster_is_backend_unavailable(configure_secure, lock_name):
+    alias = configure_secure(USER=None, PASSWORD=None, TIMEOUT=1)
+    with pytest.raises(distlock.BackendUnavailable, match="etcd alias 'etcd_secure' could not"):
+        distlock.acquire(lock_name, ttl=10, using=alias)
+
+
+@pytest.mark.parametrize("value", [b"bytes-" + SECRET.encode(), "", 12345])
+def test_a_bad_password_option_never_shows_its_value(value):
+    with pytest.raises(ImproperlyConfigured, match="PASSWORD") as excinfo:
+        EtcdBackend("e", {"USER": "root", "PASSWORD": value})
+    assert SECRET not in str(excinfo.value) and "12345" not in str(excinfo.value)
+    assert "not shown" in str(excinfo.value)
+
+
+@pytest.mark.parametrize(("options", "warned"), [
+    ({}, "without TLS and without auth"),
+    ({"USER": "root", "PASSWORD": SECRET}, "password and the auth token cross the network in clear text"),
+    ({"CA_CERT": "/etc/etcd/ca.pem"}, None),
+    ({"ENDPOINTS": "https://etcd-1:2379", "USER": "root", "PASSWORD": SECRET}, None),
+])
+def test_an_unsecured_alias_gets_a_system_check_warning_when_debug_is_off(settings, options, warned):
+    from distlock.checks import W001, check_distlock_setting  # noqa: PLC0415
+
+    settings.DISTLOCK = {**settings.DISTLOCK, "etcd_checked": {"BACKEND": BACKEND, "OPTIONS": options}}
+    settings.DEBUG = False
+    messages = [message for message in check_distlock_setting() if "'etcd_checked'" in message.msg]
+    if warned is None:
+        assert messages == []
+    else:
+        (message,) = messages
+        assert message.id == W001 and warned in message.msg and SECRET not in message.msg
+    settings.DEBUG = True
+    assert [message for message in check_distlock_setting() if "'etcd_checked'" in message.msg] == []

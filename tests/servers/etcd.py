@@ -7,13 +7,20 @@ shared 2-core machine makes shorter election timeouts flap. Health and leadershi
 etcd's JSON gateway (``/health``, ``/v3/maintenance/status``), so the harness needs no gRPC client;
 ``leases()``, ``keys()`` and ``revoke_lease()`` inspect and disturb the cluster the same way, from
 outside the client under test.
+
+A cluster can also be secured like a production one: TLS on the client port with a throwaway CA
+made by ``openssl`` at test time (``make_pki``), client certificates required (``--client-cert-auth``),
+and etcd auth enabled (``enable_auth``: a root user with a password, through the same gateway).
 """
 
 import base64
 import json
+import ssl
+import subprocess
 import urllib.error
 import urllib.request
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from tests.servers import Cluster, ClusterMember, free_port, port_open
@@ -25,13 +32,70 @@ HEARTBEAT_INTERVAL_MS = 100
 ELECTION_TIMEOUT_MS = 1000
 
 
-def gateway_call(port, path, body=None, timeout=1.0):
-    """POST ``body`` (GET if None) to etcd's JSON gateway on 127.0.0.1:port; return the JSON reply or None."""
+@dataclass(frozen=True)
+class TestPKI:
+    """PEM files of a throwaway CA, a server certificate for 127.0.0.1 signed by it, a client certificate
+    signed by it, and an unrelated CA (for "wrong CA" tests)."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+    other_ca: Path
+    #: The harness's own client certificate, without a CommonName: with auth enabled, etcd 3.4's JSON
+    #: gateway refuses a client certificate that has one ("CommonName ... will be ignored").
+    harness_cert: Path
+    harness_key: Path
+
+    def client_context(self):
+        """An ``ssl`` context that trusts the CA and presents the harness's certificate (for the gateway)."""
+        context = ssl.create_default_context(cafile=str(self.ca))
+        context.load_cert_chain(str(self.harness_cert), str(self.harness_key))
+        return context
+
+
+def _openssl(*args, cwd):
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=30)
+
+
+def make_pki(directory):
+    """Write a CA, a server and a client certificate (EC P-256, valid 2 days) into ``directory`` with openssl."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    for ca in ("ca", "other-ca"):
+        _openssl("req", "-x509", *ec, "-keyout", f"{ca}.key", "-out", f"{ca}.pem", "-days", "2",
+                 "-subj", f"/CN=distlock-test-{ca}", "-addext", "basicConstraints=critical,CA:TRUE",
+                 "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=directory)
+    for name, usage, extra, subject in (
+            ("server", "serverAuth,clientAuth", "subjectAltName=IP:127.0.0.1,DNS:localhost", "/CN=127.0.0.1"),
+            ("client", "clientAuth", "", "/CN=distlock-test-client"),
+            ("harness", "clientAuth", "", "/O=distlock-test-harness")):
+        (directory / f"{name}.ext").write_text(f"extendedKeyUsage={usage}\n{extra}\n")
+        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject, cwd=directory)
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext", cwd=directory)
+    return TestPKI(ca=directory / "ca.pem", server_cert=directory / "server.pem", server_key=directory / "server.key",
+                   client_cert=directory / "client.pem", client_key=directory / "client.key",
+                   other_ca=directory / "other-ca.pem", harness_cert=directory / "harness.pem",
+                   harness_key=directory / "harness.key")
+
+
+def gateway_call(port, path, body=None, timeout=1.0, tls=None, token=None):
+    """POST ``body`` (GET if None) to etcd's JSON gateway on 127.0.0.1:port; return the JSON reply or None.
+
+    ``tls``: the ``TestPKI`` of a TLS cluster (https, client certificate); ``token``: an auth token.
+    """
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
-                                     headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = token
+    scheme = "https" if tls else "http"
+    request = urllib.request.Request(f"{scheme}://127.0.0.1:{port}{path}", data=data, headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as reply:  # noqa: S310 - loopback http only
+        with urllib.request.urlopen(request, timeout=timeout,  # noqa: S310 - loopback only
+                                    context=tls.client_context() if tls else None) as reply:
             return json.loads(reply.read())
     except (OSError, urllib.error.URLError, ValueError):
         return None
@@ -45,18 +109,29 @@ class EtcdMember(ClusterMember):
     one at a time by the fault suite.
     """
 
-    def __init__(self, name, client_port, peer_port, initial_cluster, cluster_token, workdir):
+    def __init__(self, name, client_port, peer_port, initial_cluster, cluster_token, workdir, pki=None):
         self.member_name = name
         self.peer_port = peer_port
         #: "name=http://127.0.0.1:peer,..." for the whole cluster, shared by every member.
         self.initial_cluster = initial_cluster
         self.cluster_token = cluster_token
+        #: A ``TestPKI``: the client port speaks TLS and requires client certificates signed by its CA.
+        self.pki = pki
+        #: The auth token the harness's gateway calls carry once auth is enabled (``EtcdCluster.enable_auth``).
+        self.token = None
         super().__init__(f"etcd-{name}", client_port, workdir)
         self.data_dir = self.workdir / "data"
 
+    def gateway(self, path, body=None, timeout=1.0):
+        return gateway_call(self.client_port, path, body, timeout, tls=self.pki, token=self.token)
+
     def command(self):
-        client_url = f"http://127.0.0.1:{self.client_port}"
+        client_url = f"{'https' if self.pki else 'http'}://127.0.0.1:{self.client_port}"
         peer_url = f"http://127.0.0.1:{self.peer_port}"
+        tls = [] if self.pki is None else [
+            "--cert-file", str(self.pki.server_cert), "--key-file", str(self.pki.server_key),
+            "--trusted-ca-file", str(self.pki.ca), "--client-cert-auth",
+        ]
         return [
             ETCD_BINARY, "--name", self.member_name, "--data-dir", str(self.data_dir),
             "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
@@ -68,6 +143,7 @@ class EtcdMember(ClusterMember):
             # A member coming back from a pause or restart must not depose a working leader.
             "--pre-vote",
             "--logger", "zap", "--log-outputs", "stderr",
+            *tls,
         ]
 
     def ready(self):
@@ -76,14 +152,14 @@ class EtcdMember(ClusterMember):
     @property
     def healthy(self):
         """True if the member answers clients and sees a leader."""
-        reply = gateway_call(self.client_port, "/health")
+        reply = self.gateway("/health")
         return bool(reply) and reply.get("health") == "true"
 
     def status(self):
         """Return the member's ``/v3/maintenance/status`` reply (member id, leader id, raft term), or None."""
         if not self.running:
             return None
-        return gateway_call(self.client_port, "/v3/maintenance/status", {})
+        return self.gateway("/v3/maintenance/status", {})
 
     @property
     def leads(self):
@@ -97,25 +173,47 @@ class EtcdCluster(Cluster):
 
     service = "etcd"
 
-    def __init__(self, workdir, size=3):
+    def __init__(self, workdir, size=3, tls=False):
+        """``tls``: serve clients over TLS with client certificates required, from a CA made in ``workdir``."""
         self.workdir = Path(workdir)
+        self.pki = make_pki(self.workdir / "pki") if tls else None
         ports = [(free_port(), free_port()) for _ in range(size)]
         initial_cluster = ",".join(f"m{i}=http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports, 1))
         token = f"distlock-{uuid.uuid4().hex[:8]}"
         self.members = [
-            EtcdMember(f"m{i}", client, peer, initial_cluster, token, self.workdir / f"member-{i}")
+            EtcdMember(f"m{i}", client, peer, initial_cluster, token, self.workdir / f"member-{i}", pki=self.pki)
             for i, (client, peer) in enumerate(ports, 1)
         ]
 
     @property
     def endpoints(self):
-        """The ``ENDPOINTS`` option: "127.0.0.1:c1,127.0.0.1:c2,127.0.0.1:c3"."""
-        return ",".join(member.address for member in self.members)
+        """The ``ENDPOINTS`` option: "127.0.0.1:c1,127.0.0.1:c2,127.0.0.1:c3" (https://... with TLS)."""
+        scheme = "https://" if self.pki else ""
+        return ",".join(scheme + member.address for member in self.members)
+
+    def tls_options(self):
+        """The backend options that trust this cluster's CA and present the client certificate."""
+        return {"CA_CERT": str(self.pki.ca), "CERT_CERT": str(self.pki.client_cert),
+                "CERT_KEY": str(self.pki.client_key)}
+
+    def enable_auth(self, password, user="root"):
+        """Add ``user`` with the root role and ``password``, enable etcd auth, and sign the harness in.
+
+        Done through the JSON gateway (the API ``etcdctl user add`` / ``etcdctl auth enable`` call), so the
+        harness needs no etcdctl.
+        """
+        for path, body in (("/v3/auth/user/add", {"name": user, "password": password}),
+                           ("/v3/auth/user/grant", {"user": user, "role": "root"}),
+                           ("/v3/auth/enable", {})):
+            self._gateway(path, body)
+        token = self._gateway("/v3/auth/authenticate", {"name": user, "password": password})["token"]
+        for member in self.members:
+            member.token = token
 
     def _gateway(self, path, body):
         for member in self.members:
             if member.running:
-                reply = gateway_call(member.client_port, path, body, timeout=5)
+                reply = member.gateway(path, body, timeout=5)
                 if reply is not None:
                     return reply
         raise RuntimeError(f"no etcd member answered {path}")
