@@ -6,7 +6,6 @@ import json
 import logging
 import math
 import os
-import sys
 import threading
 import time
 import weakref
@@ -25,6 +24,7 @@ from distlock.backends.base import (
     NOTIFICATIONS, SAFE_FENCING_TOKENS, BaseLockBackend, Grant, LockInfo, Option, positive_number,
     refuse_after_late_grants,
 )
+from distlock.backends.green import green_library
 from distlock.exceptions import BackendUnavailable, LockNotAcquired
 from distlock.holder import holder_record, new_owner
 from distlock.redaction import redact
@@ -792,21 +792,6 @@ def _uses_tls(options):
     return options["CA_CERT"] is not None or https
 
 
-def _green_library():
-    """Return "gevent" or "eventlet" if that library monkey-patched ``socket`` in this process, else None."""
-    if "gevent" in sys.modules:
-        from gevent import monkey  # noqa: PLC0415 - only in a process that imported gevent
-
-        if monkey.is_module_patched("socket"):
-            return "gevent"
-    if "eventlet" in sys.modules:
-        from eventlet import patcher  # noqa: PLC0415 - only in a process that imported eventlet
-
-        if patcher.is_monkey_patched("socket"):
-            return "eventlet"
-    return None
-
-
 def _gevent_activated():
     from grpc._cython import cygrpc  # noqa: PLC0415 - gRPC's own flag, set by init_gevent()
 
@@ -819,7 +804,7 @@ def _green_problem(alias):
     Under eventlet gRPC's C core blocks the hub (there is no eventlet support in gRPC): refused.
     Under gevent ``init_gevent()`` makes gRPC cooperative, but only before the process opened a channel.
     """
-    green = _green_library()
+    green = green_library()
     if green == "eventlet":
         return (f"DISTLOCK['{alias}'] uses etcd in a process monkey-patched by eventlet: gRPC has no eventlet "
                 "support, its calls block every green thread of the process (keepalives miss, leases are lost). "
@@ -838,7 +823,7 @@ def _prepare_for_green_threads(alias):
     problem = _green_problem(alias)
     if problem:
         raise ImproperlyConfigured(problem)
-    if _green_library() == "gevent" and not _gevent_activated():
+    if green_library() == "gevent" and not _gevent_activated():
         import grpc.experimental.gevent  # noqa: PLC0415 - only under gevent
 
         grpc.experimental.gevent.init_gevent()

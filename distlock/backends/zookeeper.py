@@ -74,6 +74,7 @@ from distlock.backends.base import (
     positive_number,
     refuse_after_late_grants,
 )
+from distlock.backends.green import green_library
 from distlock.exceptions import BackendUnavailable, LockNotAcquired
 from distlock.holder import holder_record, new_owner
 from distlock.redaction import REDACTED, redact
@@ -285,23 +286,6 @@ def _valid_session_timeout(value):
         problem = (f"must be at most {MAX_SESSION_TIMEOUT} seconds (2**31-1 milliseconds: kazoo sends it as a "
                    "32-bit number, and the server caps it at 20 ticks anyway)")
     return problem
-
-
-def green_library():
-    """Return "gevent" or "eventlet" if that library monkey-patched ``socket`` in this process, else None."""
-    import sys  # noqa: PLC0415
-
-    if "gevent" in sys.modules:
-        from gevent import monkey  # noqa: PLC0415
-
-        if monkey.is_module_patched("socket"):
-            return "gevent"
-    if "eventlet" in sys.modules:
-        from eventlet import patcher  # noqa: PLC0415
-
-        if patcher.is_monkey_patched("socket"):
-            return "eventlet"
-    return None
 
 
 def _kazoo_handler(green):

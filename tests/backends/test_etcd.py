@@ -4,6 +4,7 @@ The destructive tests (pause, stop, kill members) run on a cluster of this modul
 the shared one of the contract suite; each restores every member before it ends.
 """
 
+import importlib.util
 import json
 import logging
 import math
@@ -28,6 +29,14 @@ from tests.conftest import require_alias
 from tests.servers import free_port
 from tests.servers.etcd import ELECTION_TIMEOUT_MS, EtcdCluster
 from tests.workers import ROOT, child_env, spawn
+
+
+def require_module(name):
+    """Skip unless ``name`` is installed, without importing it: importing eventlet alone makes every
+    later fork() in this process warn (an at-fork hook of its own), which the suite treats as an error."""
+    if importlib.util.find_spec(name) is None:
+        pytest.skip(f"{name} is not installed")
+
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
@@ -663,7 +672,7 @@ def _run_patched(patch, scenario, arguments, timeout=90):
 def test_under_gevent_grpc_cooperates_and_a_renewed_lease_survives_four_ttls(lock_name):
     """10 greenlets x 5 lock/unlock cycles and a lease held with auto_renew for 4x its ttl: the lease is
     kept, and a heartbeat greenlet ticking every 50 ms never waits more than 1 s (gRPC yields to the hub)."""
-    pytest.importorskip("gevent")
+    require_module("gevent")
     alias = require_alias("etcd")
     code, events, err = _run_patched("from gevent import monkey; monkey.patch_all()", "etcd_green",
                                      {"alias": alias, "prefix": lock_name, "threads": 10, "cycles": 5, "ttl": 2.0,
@@ -679,7 +688,7 @@ def test_under_gevent_grpc_cooperates_and_a_renewed_lease_survives_four_ttls(loc
 def test_under_eventlet_the_alias_is_refused_with_the_fix_named(lock_name):
     """gRPC has no eventlet support (its calls block every green thread): building the alias and the
     system checks both refuse, naming what to do instead."""
-    pytest.importorskip("eventlet")
+    require_module("eventlet")
     alias = require_alias("etcd")
     code, events, err = _run_patched("import eventlet; eventlet.monkey_patch()", "etcd_eventlet_refused",
                                      {"alias": alias, "name": lock_name}, timeout=60)
