@@ -7,14 +7,17 @@ caller (Celery's ``SoftTimeLimitExceeded``, ``gevent.Timeout``, ``KeyboardInterr
 
 import logging
 import threading
+import uuid
 
 import pytest
 
 import distlock
 from distlock import metrics
+from distlock.backends.locmem import LocMemBackend
 from distlock.handler import locks
 from distlock.renewal import Renewer
 from distlock.signals import lock_acquired, lock_lost, lock_released
+from tests.interrupted_waits import lines_that_break
 from tests.servers import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
@@ -262,3 +265,30 @@ def test_a_bad_metrics_setting_neither_fails_nor_leaks_the_grant(settings, lock_
               if record.name == "distlock.metrics" and record.levelno >= logging.ERROR]
     assert len(errors) == 1, "logged once, not at every acquire"
     assert "FLUSH_INTERVAL" in caplog.text
+
+
+def test_a_locmem_waiter_interrupted_anywhere_never_blocks_the_holder(lock_name):
+    # Before: the waiter slept in the store's Condition; an interrupt could leave it held, and every
+    # other call on the alias blocked, or come out as RuntimeError instead of itself.
+    def make():
+        backend = LocMemBackend(f"interrupted-{uuid.uuid4().hex[:8]}", {})
+        held = backend.acquire(lock_name, ttl=30, timeout=0, blocking=False)
+
+        def notify():
+            assert backend.release(held), "the holder could not release"
+            backend.release(backend.acquire(lock_name, ttl=30, timeout=0, blocking=False))
+
+        return (lambda: backend.acquire(lock_name, ttl=30, timeout=0.05, blocking=True)), notify
+
+    assert lines_that_break(make) == []
+
+
+def test_the_interrupt_probe_catches_threading_event():
+    # The canary of ``lines_that_break``: threading.Event keeps its lock in a Python __exit__, where an
+    # interrupt can leave it held, so distlock's waits use distlock.waiting instead.
+    def make():
+        event = threading.Event()
+        return (lambda: event.wait(0.05)), event.set
+
+    problems = lines_that_break(make)
+    assert any(problem == "the notifier blocked" for _, problem in problems), problems

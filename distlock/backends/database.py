@@ -11,13 +11,14 @@ import collections
 import hashlib
 import math
 import os
+import queue
 import socket
 import sqlite3
 import threading
 import time
 import weakref
 import zoneinfo
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass
 from functools import partial
 from datetime import timezone as dt_timezone
@@ -41,6 +42,7 @@ from distlock.backends.base import (
 )
 from distlock.exceptions import BackendUnavailable, LockWouldDeadlock
 from distlock.holder import current_holder
+from distlock.waiting import mailbox
 
 # ---------------------------------------------------------------------------------------------------
 # The protocol. A lock is one row of distlock_lock (distlock.models.Lock), unique by name. A row whose
@@ -150,12 +152,29 @@ MIN_SQLITE_VERSION = (3, 35)
 #: libpq rounds a connect_timeout below 2 seconds up to 2.
 MIN_CONNECT_TIMEOUT = 2
 
+#: Seconds ``close()`` waits for the watchdog's thread to leave (a daemon: it cannot outlive the process).
+STOP_WAIT = 5.0
+
 
 @dataclass(eq=False)
 class _Watch:
     fileno: int
     deadline: float
     fired: bool = False
+
+
+class _Watching:
+    """The block of one ``_Watchdog.watch``."""
+
+    def __init__(self, watchdog, watch):
+        self._watchdog, self._watch = watchdog, watch
+
+    def __enter__(self):
+        self._watchdog._add(self._watch)
+        return self._watch
+
+    def __exit__(self, exc_type, exc, traceback):
+        self._watchdog._discard(self._watch)
 
 
 class _Watchdog:
@@ -172,50 +191,64 @@ class _Watchdog:
         os.register_at_fork(after_in_child=lambda: (w := watchdog()) and w._forget_after_fork())
 
     def _forget_after_fork(self):
-        # The parent's thread does not run in the child and may have held the condition at fork().
-        self._changed = threading.Condition()
+        # The parent's thread does not run in the child and may have held the lock at fork().
+        self._lock = threading.Lock()  # a plain lock and a queue, never a Condition: see distlock.waiting
+        self._wake = mailbox()
         self._watches = set()
         self._wake_at = math.inf
         self._thread = None
         self._stopping = False
 
-    @contextmanager
     def watch(self, fileno, seconds):
-        """Sever ``fileno`` if the block is still running after ``seconds``; yield the ``_Watch``."""
-        watch = _Watch(fileno, time.monotonic() + seconds)
-        with self._changed:
+        """Return a context manager that severs ``fileno`` if its block still runs after ``seconds``.
+
+        It yields the ``_Watch``. A class, not a generator: see ``_Loan``.
+        """
+        return _Watching(self, _Watch(fileno, time.monotonic() + seconds))
+
+    def _add(self, watch):
+        with self._lock:
             if self._thread is None or not self._thread.is_alive():
+                # An interrupt inside threading's is_alive() or join() can mark a running thread stopped:
+                # wake the old thread, which leaves once its queue is no longer the current one.
+                self._wake.put(None)
+                self._wake = mailbox()
                 self._stopping = False
-                self._thread = threading.Thread(target=self._run, name="distlock-db-watchdog", daemon=True)
+                self._thread = threading.Thread(target=self._run, args=(self._wake,), name="distlock-db-watchdog",
+                                                daemon=True)
                 self._thread.start()
             self._watches.add(watch)
             if watch.deadline < self._wake_at:
-                self._changed.notify()
-        try:
-            yield watch
-        finally:
-            # Under the condition's lock, so the thread never severs a connection a later call uses.
-            with self._changed:
-                self._watches.discard(watch)
+                self._wake.put(None)
 
-    def _run(self):
-        with self._changed:
-            while not self._stopping:
+    def _discard(self, watch):
+        # Under the lock, so the thread never severs a connection a later call uses.
+        with self._lock:
+            self._watches.discard(watch)
+
+    def _run(self, wake):
+        while True:
+            with self._lock:
+                if self._stopping or wake is not self._wake:
+                    return
                 now = time.monotonic()
                 for watch in [watch for watch in self._watches if watch.deadline <= now]:
                     self._watches.discard(watch)
                     watch.fired = True
                     _shut_down(watch.fileno)
                 self._wake_at = min((watch.deadline for watch in self._watches), default=math.inf)
-                self._changed.wait(None if self._wake_at == math.inf else self._wake_at - now)
+            try:
+                wake.get(timeout=None if self._wake_at == math.inf else self._wake_at - now)
+            except queue.Empty:
+                pass
 
     def stop(self):
-        with self._changed:
+        with self._lock:
             self._stopping = True
-            self._changed.notify()
+            self._wake.put(None)
             thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
-            thread.join()
+            thread.join(STOP_WAIT)
 
 
 def _shut_down(fileno):
@@ -252,45 +285,59 @@ class _ConnectionPool:
         # A new lock too: another thread of the parent may have held the old one during fork().
         self._lock = threading.Lock()
         self._idle = []      # wrappers nobody uses (connected, or closed and to reconnect), most recent last
-        self._in_use = {}    # wrapper -> the generation it was checked out in
+        #: wrapper -> the generation it was checked out in. Weak: a wrapper an interrupt cut loose between
+        #: the pool and its caller frees its place once collected (collecting it closes its connection).
+        self._in_use = weakref.WeakKeyDictionary()
         self._queue = collections.deque()  # _Turn of each call waiting for a connection, in arrival order
         self._generation = object()  # replaced by close(): wrappers of an older one are closed on return
 
-    @contextmanager
     def connection(self, ends, unavailable, *, urgent=False):
-        """Yield a wrapper nobody else uses until the block ends; wait until ``ends`` for a free one.
+        """Return a context manager lending a wrapper nobody else uses until its block ends.
 
-        An ``urgent`` call queues ahead of the others (behind earlier urgent ones).
-        ``unavailable(waited)`` builds the exception raised when all stay busy. A block that raises
-        anything closes its wrapper (its state is unknown) instead of giving it back.
+        It waits until ``ends`` for a free one; an ``urgent`` call queues ahead of the others (behind
+        earlier urgent ones). ``unavailable(waited)`` builds the exception raised when all stay busy.
+        A block that raises anything closes its wrapper (its state is unknown) instead of giving it back.
         """
-        wrapper = self._check_out(ends, unavailable, urgent)
-        try:
-            yield wrapper
-        except BaseException:
-            self._give_back(wrapper, broken=True)
-            raise
-        self._give_back(wrapper)
+        return _Loan(self, ends, unavailable, urgent)
 
     def _check_out(self, ends, unavailable, urgent):
+        started = time.monotonic()
+        turn = _Turn(urgent)
+        try:
+            with self._lock:
+                if not self._queue and (self._idle or len(self._in_use) < self.size):
+                    return self._hand_out(self._idle.pop() if self._idle else self._connect())
+                if urgent:
+                    # Behind the urgent turns already queued, ahead of every other one.
+                    position = next((i for i, queued in enumerate(self._queue) if not queued.urgent),
+                                    len(self._queue))
+                    self._queue.insert(position, turn)
+                else:
+                    self._queue.append(turn)
+            # The wait holds no lock (see distlock.waiting): an interrupt only has to withdraw the turn.
+            with suppress(queue.Empty):
+                return turn.mailbox.get(timeout=max(ends - time.monotonic(), 0.0))
+            if self._withdraw(turn):
+                raise unavailable(time.monotonic() - started)
+            return turn.mailbox.get_nowait()  # handed over just as the wait ran out
+        except BaseException:
+            self._abandon(turn)
+            raise
+
+    def _withdraw(self, turn):
+        """Take ``turn`` out of the queue (if there); False if a connection was handed to it already."""
         with self._lock:
-            if not self._queue and (self._idle or len(self._in_use) < self.size):
-                return self._hand_out(self._idle.pop() if self._idle else self._connect())
-            turn = _Turn(self._lock, urgent)
-            if urgent:
-                # Behind the urgent turns already queued, ahead of every other one.
-                position = next((i for i, queued in enumerate(self._queue) if not queued.urgent), len(self._queue))
-                self._queue.insert(position, turn)
-            else:
-                self._queue.append(turn)
-            started = time.monotonic()
-            while turn.wrapper is None:
-                remaining = ends - time.monotonic()
-                if remaining <= 0:
-                    self._queue.remove(turn)
-                    raise unavailable(time.monotonic() - started)
-                turn.ready.wait(remaining)
-            return turn.wrapper
+            if turn.given:
+                return False
+            with suppress(ValueError):
+                self._queue.remove(turn)
+            return True
+
+    def _abandon(self, turn):
+        """Withdraw the turn of a call that raised; a connection handed to it meanwhile goes back."""
+        if not self._withdraw(turn):
+            with suppress(queue.Empty):  # empty if the call had taken it before it raised
+                self._give_back(turn.mailbox.get_nowait())
 
     def _hand_out(self, wrapper):
         self._in_use[wrapper] = self._generation
@@ -302,11 +349,17 @@ class _ConnectionPool:
             if generation is None:
                 return  # checked out before a fork: the parent's, not ours to close
             reusable = not broken and generation is self._generation
+            while self._queue and self._queue[0].given:
+                self._queue.popleft()  # handed over by a giver an interrupt stopped before it could dequeue
             if self._queue:
-                # Whoever waits longest gets it (or, for one that must be closed, a new wrapper).
-                turn = self._queue.popleft()
-                turn.wrapper = self._hand_out(wrapper if reusable else self._connect())
-                turn.ready.notify()
+                # Whoever waits longest gets it (or, for one that must be closed, a new wrapper). Marked
+                # given before the put, dequeued after it: no interrupt in between loses the connection.
+                turn = self._queue[0]
+                handed = wrapper if reusable else self._connect()
+                self._in_use[handed] = self._generation
+                turn.given = True
+                turn.mailbox.put(handed)
+                self._queue.popleft()
             elif reusable:
                 self._idle.append(wrapper)
         if not reusable:
@@ -321,13 +374,29 @@ class _ConnectionPool:
             _close(wrapper)
 
 
-class _Turn:
-    """A call's place in the pool's queue: the giver puts the connection here and wakes it."""
+class _Loan:
+    """One use of a pooled connection: a class, not a generator, so that nothing of it runs at garbage
+    collection. A generator an interrupt left suspended gives its wrapper back when collected, at any
+    point of any thread, possibly one holding the pool's lock: a deadlock."""
 
-    def __init__(self, lock, urgent):
-        self.ready = threading.Condition(lock)
+    def __init__(self, pool, ends, unavailable, urgent):
+        self._pool, self._ends, self._unavailable, self._urgent = pool, ends, unavailable, urgent
+
+    def __enter__(self):
+        self.wrapper = self._pool._check_out(self._ends, self._unavailable, self._urgent)
+        return self.wrapper
+
+    def __exit__(self, exc_type, exc, traceback):
+        self._pool._give_back(self.wrapper, broken=exc_type is not None)
+
+
+class _Turn:
+    """A call's place in the pool's queue: the giver puts the connection in its mailbox."""
+
+    def __init__(self, urgent):
+        self.mailbox = mailbox()
         self.urgent = urgent
-        self.wrapper = None
+        self.given = False
 
 
 def _close(wrapper):

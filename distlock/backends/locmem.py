@@ -8,6 +8,7 @@ from datetime import datetime, timedelta, timezone
 
 from distlock.backends.base import NOTIFICATIONS, SAFE_FENCING_TOKENS, BaseLockBackend, Grant, LockInfo
 from distlock.holder import current_holder
+from distlock.waiting import Wakeups
 
 # Like Django's locmem cache: one store per alias, shared by every backend instance of that alias in
 # this process, so a backend rebuilt after a settings change still sees the locks and the token.
@@ -27,7 +28,10 @@ class _Store:
     def __init__(self):
         self.locks = {}
         self.last_token = 0
-        self.changed = threading.Condition()
+        #: A plain C lock, never a Condition: see ``distlock.waiting``.
+        self.lock = threading.Lock()
+        self.releases = 0  # counts releases, for waiters to see one happened
+        self.released = Wakeups()
 
 
 class LocMemBackend(BaseLockBackend):
@@ -55,7 +59,7 @@ class LocMemBackend(BaseLockBackend):
     def _try_acquire(self, attempt):
         name, owner, ttl = attempt.name, attempt.owner, attempt.ttl
         store = self._store
-        with store.changed:
+        with store.lock:
             now = time.monotonic()
             if self._live(name, now) is not None:
                 return None
@@ -70,29 +74,32 @@ class LocMemBackend(BaseLockBackend):
 
     def _wait_for_release(self, attempt, remaining):
         store = self._store
-        with store.changed:
+        with store.lock:
             record = self._live(attempt.name, time.monotonic())
             if record is None:
                 return
             # Wake at the holder's expiry at the latest: nobody notifies when a ttl runs out.
             wait = record.expires - time.monotonic()
-            store.changed.wait(wait if remaining is None else min(wait, remaining))
+            releases = store.releases
+        wait = wait if remaining is None else min(wait, remaining)
+        store.released.wait_for(lambda: store.releases != releases, wait)
 
     def _delete_if_owner(self, name, owner):
         store = self._store
-        with store.changed:
+        with store.lock:
             record = self._live(name, time.monotonic())
             if record is None or record.owner != owner:
                 return False
             del store.locks[name]
-            store.changed.notify_all()
-            return True
+            store.releases += 1
+        store.released.notify_all()
+        return True
 
     def _do_release(self, lease):
         return self._delete_if_owner(lease.name, lease.owner)
 
     def _do_extend(self, lease, ttl):
-        with self._store.changed:
+        with self._store.lock:
             record = self._live(lease.name, time.monotonic())
             if record is None or record.owner != lease.owner:
                 return False
@@ -100,7 +107,7 @@ class LocMemBackend(BaseLockBackend):
             return True
 
     def held_locks(self, prefix=""):
-        with self._store.changed:
+        with self._store.lock:
             now, wall_now = time.monotonic(), datetime.now(timezone.utc)
             return [
                 dataclasses.replace(r.info, expires_at=wall_now + timedelta(seconds=r.expires - now))

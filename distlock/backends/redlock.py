@@ -34,6 +34,7 @@ from distlock.backends.redis_servers import redis_server, tls_problem, unsecured
 from distlock.exceptions import BackendUnavailable
 from distlock.holder import current_holder
 from distlock.redaction import redact
+from distlock.waiting import Wakeups, mailbox
 
 logger = logging.getLogger("distlock.redlock")
 
@@ -213,7 +214,9 @@ class Round:
     """The replies to one command sent to every master, and whether the caller may stop waiting.
 
     ``succeeded(reply)`` says which replies count towards the majority (a grant, a deletion...).
-    Replies still missing are None.
+    Replies still missing are None. The masters' threads hand replies over through a queue and
+    never take a lock: an interrupt (a time limit, a signal) can stop the caller anywhere in
+    ``wait``, and a lock it left held would stall every master's thread, and with them the alias.
     """
 
     def __init__(self, size, quorum, succeeded, *, until="decided"):
@@ -223,13 +226,11 @@ class Round:
         self._quorum = quorum
         self._succeeded = succeeded
         self._until = until
-        self._changed = threading.Condition()
+        self._arrivals = mailbox()
 
     def deliver(self, index, reply):
-        with self._changed:
-            self.replies[index] = reply
-            if self._decided():
-                self._changed.notify()
+        """Hand over one master's reply; never blocks."""
+        self._arrivals.put((index, reply))
 
     def _decided(self):
         """True once the caller may stop waiting (see ``UNTIL``); a miss never turns into "unavailable" later."""
@@ -249,9 +250,29 @@ class Round:
 
         Sets ``timed_out``: whether the missing replies are late (rather than not needed).
         """
-        with self._changed:
-            self.timed_out = not self._changed.wait_for(self._decided, max(timeout, 0.0))
-            return list(self.replies)
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while True:
+            self._take_arrived()
+            if self._decided():
+                self.timed_out = False
+                return list(self.replies)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.timed_out = True
+                return list(self.replies)
+            try:
+                index, reply = self._arrivals.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            self.replies[index] = reply
+
+    def _take_arrived(self):
+        while True:
+            try:
+                index, reply = self._arrivals.get_nowait()
+            except queue.Empty:
+                return
+            self.replies[index] = reply
 
 
 @dataclass
@@ -301,7 +322,7 @@ class Master:
             with self._start_lock:
                 if self._pid != os.getpid():
                     # A forked child has the queue but not the thread: start afresh, new connection too.
-                    self._jobs = queue.SimpleQueue()
+                    self._jobs = mailbox()
                     self.connected = False
                     self._thread = threading.Thread(target=self._send_and_read, args=(self._jobs,), daemon=True,
                                                     name=f"distlock-redlock:{self.display}")
@@ -414,7 +435,8 @@ class ReleaseListener:
         self._masters = masters
         self._channel = channel
         self._quorum = quorum
-        self._changed = threading.Condition()
+        self._wakeups = Wakeups()
+        self._counting = threading.Lock()  # the listening threads' only: callers never take it (see Wakeups)
         self._released = OrderedDict()  # lock name -> sequence number of its latest release
         #: Number of releases announced so far; a waiter notes it before trying, then waits for a larger one.
         self.sequence = 0
@@ -442,28 +464,26 @@ class ReleaseListener:
                              for master in self._masters]
             for thread in self._threads:
                 thread.start()
-        with self._changed:
-            self._changed.wait_for(lambda: self._subscriptions >= self._quorum, 1.0)
+        self._wakeups.wait_for(lambda: self._subscriptions >= self._quorum, 1.0)
         return False
 
     def wait(self, name, since, timeout):
         """Block until a release of ``name`` numbered above ``since`` is announced, at most ``timeout`` seconds."""
-        with self._changed:
-            self._changed.wait_for(lambda: self._released.get(name, 0) > since, timeout)
+        self._wakeups.wait_for(lambda: self._released.get(name, 0) > since, timeout)
 
     def _announce(self, name):
-        with self._changed:
-            self.sequence += 1
-            self._released[name] = self.sequence
+        with self._counting:
+            self._released[name] = self.sequence + 1
             self._released.move_to_end(name)
             if len(self._released) > self.remembered:
                 self._released.popitem(last=False)
-            self._changed.notify_all()
+            self.sequence += 1
+        self._wakeups.notify_all()
 
     def _count_subscription(self, change):
-        with self._changed:
+        with self._counting:
             self._subscriptions += change
-            self._changed.notify_all()
+        self._wakeups.notify_all()
 
     def _listen(self, master, stopped):
         while not stopped.is_set():
