@@ -37,7 +37,7 @@ class BackendUnavailable(LockError):
 
 
 class LockWouldDeadlock(LockError):
-    """Acquiring would wait for the caller itself (an SQLite transaction that already wrote holds the only write slot)."""
+    """Acquiring would wait for the caller itself (its open SQLite transaction may hold the only write slot)."""
 
 
 class StaleFencingToken(LockError):

@@ -1,23 +1,19 @@
 """Django configurations real projects have: USE_TZ=False, with times still aware UTC inside distlock."""
 
 import json
-import os
-import subprocess
-import sys
 import uuid
 from datetime import datetime, timedelta, timezone
 from io import StringIO
 
 import pytest
 from django.core.management import call_command
-from django.db import connections
 
 import distlock
 from distlock.handler import locks
 from distlock.models import FencingRejection
 from tests.conftest import require_alias
+from tests.generated_project import database_left_behind, postgres_address, write_project
 from tests.test_admin import PAGE, lock_row
-from tests.workers import ROOT
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
@@ -96,7 +92,8 @@ def test_claims_and_fenced_updates_go_to_the_primary_under_a_read_replica_router
 
 
 class LocksDatabaseRouter:
-    """Keeps the distlock app's own tables (rejections, metrics, lock rows) on the "locks" database."""
+    """Keeps the distlock app's own models (rejections, metrics) on the "locks" database; lock rows follow the
+    alias's ``DATABASE`` option instead."""
 
     def db_for_read(self, model, **hints):
         return "locks" if model._meta.app_label == "distlock" else None
@@ -154,23 +151,11 @@ class LockTests(TransactionTestCase):
 def test_manage_py_test_on_postgresql_exits_0_and_drops_its_database(tmp_path):
     """A project whose tests take database locks on PostgreSQL: the test database is dropped at the end."""
     require_alias("postgres")
-    host, port = os.environ["DISTLOCK_TEST_PG"].rsplit(":", 1)
+    host, port = postgres_address()
     name = f"generated_{uuid.uuid4().hex[:8]}"
-    (tmp_path / "generated").mkdir()
-    (tmp_path / "generated" / "__init__.py").write_text("")
-    (tmp_path / "generated" / "settings.py").write_text(GENERATED_SETTINGS.format(host=host, port=port, name=name))
-    (tmp_path / "lockuser").mkdir()
-    (tmp_path / "lockuser" / "__init__.py").write_text("")
-    (tmp_path / "lockuser" / "tests.py").write_text(GENERATED_TESTS)
-    (tmp_path / "manage.py").write_text(
-        "import sys\nfrom django.core.management import execute_from_command_line\nexecute_from_command_line(sys.argv)\n")
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "generated.settings", "PYTHONPATH": f"{tmp_path}:{ROOT}"}
-    process = subprocess.run([sys.executable, "manage.py", "test", "--noinput", "lockuser"], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=120)
-    with connections["postgres"].cursor() as cursor:
-        cursor.execute("SELECT count(*) FROM pg_database WHERE datname = %s", [f"test_{name}"])
-        left_behind = cursor.fetchone()[0]
-        if left_behind:
-            cursor.execute(f'DROP DATABASE IF EXISTS "test_{name}" WITH (FORCE)')
+    project = write_project(tmp_path, GENERATED_SETTINGS.format(host=host, port=port, name=name),
+                            apps={"lockuser": {"tests.py": GENERATED_TESTS}})
+    process = project.manage("test", "--noinput", "lockuser")
+    left_behind = database_left_behind(f"test_{name}")
     assert process.returncode == 0, process.stderr[-3000:]
     assert not left_behind, "the test database was left behind"

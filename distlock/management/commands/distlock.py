@@ -8,14 +8,65 @@ import socket
 from django.apps import apps
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
-from django.db import DEFAULT_DB_ALIAS
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
 
 from distlock import audit, inventory
+from distlock.backends.database import DatabaseBackend
 from distlock.conf import DEFAULT_ALIAS, get_config
 from distlock.conformance.report import markdown_table
 from distlock.conformance.verify import NotVerifiable, verify
+from distlock.handler import locks
 from distlock.metrics import conf as metrics_conf
 from distlock.metrics import report
+from distlock.redaction import redact
+
+#: What the database backend's statements use, per vendor, and the distlock migration that creates each:
+#: (kind, name, migration). ``distlock check`` looks them up, since ``SELECT 1`` succeeds on a database
+#: that was never migrated, and the migration records cannot tell (an SQL-only deploy has none).
+DATABASE_BACKEND_SCHEMA = {
+    "postgresql": (("table", "distlock_lock", "0001_initial"),
+                   ("sequence", "distlock_token_seq", "0002_token_sequence")),
+    "sqlite": (("table", "distlock_lock", "0001_initial"),
+               ("table", "distlock_tokensequence", "0001_initial")),
+}
+
+#: Catalog lookups that return the kind of the object with that name as the backend's statements resolve
+#: it (PostgreSQL: through the search_path), or no row.
+SCHEMA_LOOKUPS = {
+    "postgresql": "SELECT CASE WHEN relkind IN ('r', 'p') THEN 'table' WHEN relkind = 'S' THEN 'sequence' END "
+                  "FROM pg_class WHERE oid = to_regclass(%s)",
+    "sqlite": "SELECT type FROM sqlite_master WHERE name = %s",
+}
+
+
+def _missing_schema(backend):
+    """Return the ``(kind, name, migration)`` of each object the database ``backend`` needs and lacks."""
+    with connections[backend.database].cursor() as cursor:
+        missing = []
+        for kind, name, migration in DATABASE_BACKEND_SCHEMA[backend.vendor]:
+            cursor.execute(SCHEMA_LOOKUPS[backend.vendor], [name])
+            row = cursor.fetchone()
+            if row is None or row[0] != kind:
+                missing.append((kind, name, migration))
+        return missing
+
+
+def _schema_error(alias):
+    """Return why the database backend of ``alias`` cannot work on its database's schema, or ""."""
+    backend = locks[alias]
+    if not isinstance(backend, DatabaseBackend):
+        return ""
+    where = f"DATABASES['{backend.database}'] ({backend.vendor})"
+    try:
+        missing = _missing_schema(backend)
+    except DatabaseError as exc:
+        return redact(f"could not read the schema of {where}: {exc}")
+    if not missing:
+        return ""
+    objects = ", ".join(f"{kind} {name} (migration distlock.{migration})" for kind, name, migration in missing)
+    return (f"{where} lacks what the database backend needs: {objects}. Run `manage.py migrate distlock "
+            f"--database {backend.database}`, or apply the output of `manage.py sqlmigrate distlock "
+            f"<migration> --database {backend.database}` for each migration named.")
 
 
 def _iso(moment):
@@ -52,7 +103,8 @@ class Command(BaseCommand):
                                   "every attempt is logged to the 'distlock.audit' logger either way")
 
         check = commands.add_parser(
-            "check", help="Make one round trip to every backend; exit non-zero if any fails (a health probe).")
+            "check", help="Make one round trip to every backend and, for database backends, look up the tables "
+                          "(and sequence) they need; exit non-zero if any fails (a health probe).")
         check.add_argument("--using", help="only this DISTLOCK alias")
 
         stats = commands.add_parser("stats", help="Show the lock metrics of every process, with alerts.")
@@ -162,6 +214,9 @@ class Command(BaseCommand):
     def handle_check(self, *, using, **options):
         results = inventory.ping_all(using)
         for result in results:
+            if not result.error:
+                # Reachable is not enough: an unmigrated database answers SELECT 1 and refuses every lock.
+                result.error = _schema_error(result.alias)
             if result.error:
                 self.stdout.write(f"{result.alias}: FAILED {result.error} ({result.backend})")
             else:
