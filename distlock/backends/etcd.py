@@ -25,6 +25,7 @@ from distlock.backends.base import (
     refuse_after_late_grants,
 )
 from distlock.backends.green import green_library
+from distlock.backends.offload import Abandoned, Offloader
 from distlock.exceptions import BackendUnavailable, LockNotAcquired
 from distlock.holder import holder_record, new_owner
 from distlock.redaction import redact
@@ -696,6 +697,8 @@ class _Contender:
     attempts: int = 0
     #: Grants that came back after the ttl had run out (see ``refuse_after_late_grants``).
     late_grants: int = 0
+    #: The offloaded job running this call: once cancelled (its caller was interrupted), the wait stops.
+    job: object = None
 
 
 class _Held(NamedTuple):
@@ -938,6 +941,7 @@ class EtcdBackend(BaseLockBackend):
         self._keeper = None
         self._keeper_wake = None
         self._keeper_stop = None
+        self._offload = Offloader(alias, f"distlock-etcd-runner:{alias}", green_library())
         _BACKENDS.add(self)
 
     def _after_fork_in_child(self):
@@ -973,10 +977,16 @@ class EtcdBackend(BaseLockBackend):
         """Return a ``Lease`` on ``name``: one transaction if the lock is free, else a wait in its queue.
 
         Raise ``LockNotAcquired`` on a miss or timeout (the queued key is deleted) and
-        ``BackendUnavailable`` if the cluster does not answer within the timeout.
+        ``BackendUnavailable`` if the cluster does not answer within the timeout. Run out of reach of
+        the caller's interrupts (``distlock.backends.offload``): an interrupt inside gRPC left its
+        channel's locks held and every later call of the process hung.
         """
+        return self._offload.call(functools.partial(self._acquire, name, ttl=ttl, timeout=timeout, blocking=blocking),
+                                  abandon=self._give_back)
+
+    def _acquire(self, name, job, *, ttl, timeout, blocking):
         deadline = None if timeout is None else time.monotonic() + timeout
-        contender = _Contender(name=name, owner=new_owner(), lock_prefix=self._lock_prefix(name))
+        contender = _Contender(name=name, owner=new_owner(), lock_prefix=self._lock_prefix(name), job=job)
         try:
             while True:  # again only if our session lease expired before the lock came to us
                 session = self._live_session(deadline)
@@ -1028,6 +1038,8 @@ class EtcdBackend(BaseLockBackend):
         ``predecessor`` is the key-value of the key just before ours as read at revision ``seen_at``.
         """
         while True:
+            if contender.job.cancelled:
+                raise Abandoned(contender.name)
             if predecessor is not None:
                 until = time.monotonic() + self._connection.timeout
                 if deadline is not None:
@@ -1335,7 +1347,16 @@ class EtcdBackend(BaseLockBackend):
 
     # -- holding ---------------------------------------------------------------------------------
 
+    def _give_back(self, lease):
+        """Release a lease granted to a caller that was interrupted before it could take it."""
+        logger.info("Releasing lock %r (alias %r, token %s): the call that acquired it was interrupted.",
+                    lease.name, self.alias, lease.token)
+        self._release(lease)
+
     def _do_release(self, lease):
+        return self._offload.call(lambda job: self._release(lease))
+
+    def _release(self, lease):
         handle = lease.handle
         if not handle.session.ours:
             return False  # the parent's lock, inherited by a forked child: not this process's to release
@@ -1367,6 +1388,9 @@ class EtcdBackend(BaseLockBackend):
         return session.valid_until
 
     def _do_extend(self, lease, ttl):
+        return self._offload.call(lambda job: self._extend(lease, ttl))
+
+    def _extend(self, lease, ttl):
         handle = lease.handle
         if not handle.session.ours:
             return False  # the parent's lock, inherited by a forked child
@@ -1394,6 +1418,9 @@ class EtcdBackend(BaseLockBackend):
     # -- operating -------------------------------------------------------------------------------
 
     def held_locks(self, prefix=""):
+        return self._offload.call(lambda job: self._held_locks(prefix))
+
+    def _held_locks(self, prefix):
         start = self._prefix + quote(prefix, safe="").encode()
         response = self._connection.range("list held locks", etcdrpc.RangeRequest(
             key=start, range_end=_range_end(start), sort_target=_BY_CREATE, sort_order=_ASCEND),
@@ -1418,6 +1445,9 @@ class EtcdBackend(BaseLockBackend):
         )
 
     def force_release(self, name, owner):
+        return self._offload.call(lambda job: self._force_release(name, owner))
+
+    def _force_release(self, name, owner):
         lock_prefix = self._lock_prefix(name)
         deadline = self._connection.deadline()
         holder = self._connection.range("find a lock's holder", etcdrpc.RangeRequest(
@@ -1442,11 +1472,20 @@ class EtcdBackend(BaseLockBackend):
         self._announce_lost(leases, "an operator force-released it")
 
     def ping(self):
+        return self._offload.call(lambda job: self._ping())
+
+    def _ping(self):
         self._connection.range("answer a ping", etcdrpc.RangeRequest(
             key=self._prefix, range_end=_range_end(self._prefix), count_only=True), self._connection.deadline())
 
     def close(self):
         """Stop the background thread and revoke the session lease: every lock held through it is freed and lost."""
+        try:
+            self._offload.call(lambda job: self._close())
+        finally:
+            self._offload.stop()
+
+    def _close(self):
         with self._lock:
             keeper, stop, wake = self._keeper, self._keeper_stop, self._keeper_wake
             self._keeper = self._keeper_stop = self._keeper_wake = None

@@ -1,25 +1,14 @@
 """ZooKeeper locks (kazoo): ephemeral sequential znodes, the holder's czxid as fencing token, session-aware leases.
 
-Interrupts. kazoo is not safe against exceptions raised asynchronously on the thread that calls it: a
-signal handler that raises (Celery's soft time limit, gunicorn's worker handlers, any ``SIGALRM``
-handler) between two of its lines can leave its request queue, its reply conditions or its locks
-half-updated, hanging every later call of the process, or leave a granted znode that nobody will
-release. Python runs signal handlers on the main thread only, so operations called on the main thread
-of a process with such a handler installed (``signals_can_raise()``: any Python-level handler but the
-default ``SIGINT`` one) never run kazoo there: each is handed to a runner thread (``_ThreadRunner``) through a C ``SimpleQueue`` (a ``put`` that
-never blocks and takes no Python-level lock), and the caller waits on a plain lock, whose acquisition
-an exception can interrupt without leaving anything taken. An interrupted caller hands a clean-up to
-the runner: it cancels the operation (a blocking acquire stops waiting and withdraws its node) and, once
-the operation ends, gives back whatever it was granted (the node is deleted). An interrupted release,
-extension or listing simply runs to its end. Every grant is registered with the ttl timer on the runner
-before it is handed over, so even an interrupt after the hand-over frees the lock at its ttl. Calls from
-other threads run inline (no signal reaches them). Under gevent or eventlet (detected when the alias is
-built: ``is_module_patched("socket")`` / ``is_monkey_patched("socket")``) kazoo gets its own sequential
-gevent/eventlet handler, with retry objects built for its sleep function, and every operation runs in
-its own green thread: a ``Timeout`` raised in the caller's green thread (a task's hard time limit) is
-handled the same way. (Deferring signals with ``pthread_sigmask`` was the alternative; it only works on
-the main thread, cannot cover kazoo's blocking waits without delaying the time limit itself, and does
-nothing for green ``Timeout``s.)
+Interrupts. kazoo is not safe against exceptions raised asynchronously on the thread that calls it,
+so every operation goes through ``distlock.backends.offload`` (a runner thread for main-thread callers
+of a process with a raising signal handler, a green thread of its own under gevent or eventlet). A
+cancelled blocking acquire stops waiting and withdraws its node; an interrupted caller's grant is
+given back (the node deleted). Every grant is registered with the ttl timer on the runner before it
+is handed over, so even an interrupt after the hand-over frees the lock at its ttl. Under gevent or
+eventlet (detected when the alias is built: ``is_module_patched("socket")`` /
+``is_monkey_patched("socket")``) kazoo also gets its own sequential gevent/eventlet handler, with
+retry objects built for its sleep function.
 """
 
 import heapq
@@ -29,7 +18,6 @@ import math
 import os
 import queue
 import re
-import signal
 import socket
 import ssl
 import threading
@@ -75,6 +63,7 @@ from distlock.backends.base import (
     refuse_after_late_grants,
 )
 from distlock.backends.green import green_library
+from distlock.backends.offload import Abandoned, Offloader
 from distlock.exceptions import BackendUnavailable, LockNotAcquired
 from distlock.holder import holder_record, new_owner
 from distlock.redaction import REDACTED, redact
@@ -193,28 +182,7 @@ MAX_SESSION_TIMEOUT = (2**31 - 1) / 1000
 #: How many znodes a backend remembers as checked ephemeral (the protocol ignores persistent ones).
 CHECKED_NODES = 4096
 
-#: Idle runner threads kept per backend for main-thread callers (see "Interrupts" above).
-IDLE_RUNNERS = 2
-
 _UNKNOWN = object()
-
-_SIGNALS = tuple(signal.valid_signals())
-
-
-def signals_can_raise():
-    """Return True if a Python-level signal handler is installed, other than the default ``SIGINT`` one.
-
-    Only such a handler can raise between two lines of kazoo (a Celery pool child's soft time limit,
-    gunicorn's worker handlers, a ``SIGALRM`` timeout). Ctrl-C's ``KeyboardInterrupt`` ends the
-    process in practice, and handing every call over costs a thread switch each way (a third of the
-    throughput of uncontended acquire+release on a busy 2-core machine), so it is left out. One C call
-    per signal: a few microseconds.
-    """
-    for signum in _SIGNALS:
-        handler = signal.getsignal(signum)
-        if callable(handler) and handler is not signal.default_int_handler:
-            return True
-    return False
 
 
 def encode_name(name):
@@ -557,134 +525,6 @@ class _NegotiatingConnection(ConnectionHandler):
         return header, buffer, offset
 
 
-class _Abandoned(Exception):
-    """The caller of this operation was interrupted and went away: stop, withdrawing what was queued."""
-
-
-class _Job:
-    """One backend operation run for a caller; ``cancelled`` and ``wake`` let a clean-up stop its waits."""
-
-    def __init__(self, fn, *, caller_lock=False):
-        self.fn = fn
-        self.value = self.error = None
-        self.cancelled = False
-        #: The Event a blocking acquire waits on, set by ``cancel()``.
-        self.wake = None
-        #: Set once the runner took the job (runner threads only): a job never taken has nothing to undo.
-        self.dispatched = False
-        #: Set when the job has ended (runner threads wait on it; green callers too).
-        self.finished = threading.Event()
-        #: Thread mode: released when the job has ended. The caller waits by acquiring it: an exception
-        #: can interrupt that acquisition without leaving anything taken, unlike a Condition's wait.
-        self.done = None
-        if caller_lock:
-            self.done = threading.Lock()
-            self.done.acquire()
-
-    def run(self):
-        try:
-            self.value = self.fn(self)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller, who re-raises it
-            self.error = exc
-        finally:
-            self.finished.set()
-            if self.done is not None:
-                self.done.release()
-
-    def cancel(self):
-        self.cancelled = True
-        wake = self.wake
-        if wake is not None:
-            wake.set()
-
-
-class _Inline:
-    """The job of an operation run on the caller's own thread: never cancelled."""
-
-    cancelled = False
-    wake = None
-
-
-class _ThreadRunner:
-    """Run main-thread callers' operations on threads that no signal handler can interrupt.
-
-    Callers only ``put`` into a C ``SimpleQueue``; the dispatcher hands each job to an idle worker or
-    starts one. Jobs are dispatched in order, so a clean-up submitted after its job knows for sure
-    whether the job was ever taken (``dispatched``).
-    """
-
-    def __init__(self, name):
-        self.pid = os.getpid()
-        self._name = name
-        self._jobs = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._idle = []  # inboxes of idle workers
-        self._stopped = False
-        self._count = 0
-        threading.Thread(target=self._dispatch, name=f"{name}:dispatch", daemon=True).start()
-
-    def submit(self, job):
-        self._jobs.put(job)
-
-    def stop(self):
-        self._jobs.put(None)
-
-    def _dispatch(self):
-        while True:
-            job = self._jobs.get()
-            with self._lock:
-                if job is None:
-                    self._stopped = True
-                    idle, self._idle = self._idle, []
-                else:
-                    inbox = self._idle.pop() if self._idle else None
-            if job is None:
-                for inbox in idle:
-                    inbox.put(None)
-                return
-            job.dispatched = True
-            if inbox is None:
-                inbox = queue.SimpleQueue()
-                self._count += 1
-                threading.Thread(target=self._work, args=(inbox,), name=f"{self._name}:{self._count}",
-                                 daemon=True).start()
-            inbox.put(job)
-
-    def _work(self, inbox):
-        while True:
-            job = inbox.get()
-            if job is None:
-                return
-            job.run()
-            job = None
-            with self._lock:
-                if self._stopped or len(self._idle) >= IDLE_RUNNERS:
-                    return
-                self._idle.append(inbox)
-
-
-class _GreenRunner:
-    """Run every operation in a green thread of its own: a ``Timeout`` in the caller's cannot cut it short."""
-
-    def __init__(self, library):
-        self.pid = os.getpid()
-        if library == "gevent":
-            import gevent  # noqa: PLC0415
-
-            self._spawn = gevent.spawn
-        else:
-            import eventlet  # noqa: PLC0415
-
-            self._spawn = eventlet.spawn
-
-    def submit(self, job):
-        job.dispatched = True  # spawning does not yield: no green Timeout can land in between
-        self._spawn(job.run)
-
-    def stop(self):
-        pass
-
-
 class _Contender:
     """One acquisition attempt: its node's name prefix, and the node once created."""
 
@@ -921,7 +761,7 @@ class ZooKeeperBackend(BaseLockBackend):
         self._checked_ephemeral = {}
         #: "gevent" or "eventlet" if this process is monkey-patched by it: kazoo gets that library's handler.
         self._green = green_library()
-        self._runner = None
+        self._offload = Offloader(alias, f"distlock-zk-runner:{alias}", self._green)
 
     # -- the client and its connection states ------------------------------------------------------
 
@@ -1009,43 +849,8 @@ class ZooKeeperBackend(BaseLockBackend):
     # -- running operations out of reach of signal handlers (see "Interrupts" above) ---------------------
 
     def _call(self, fn, *, abandon=None):
-        """Return ``fn(job)``, run where no exception raised asynchronously in the caller can cut it short.
-
-        ``abandon(value)`` gives back what ``fn`` returned if the caller is interrupted and cannot take it.
-        """
-        if self._green is None and (threading.current_thread() is not threading.main_thread()
-                                    or not signals_can_raise()):
-            return fn(_Inline())
-        runner = self._runner
-        if runner is None or runner.pid != os.getpid():
-            runner = self._runner = (_GreenRunner(self._green) if self._green
-                                     else _ThreadRunner(f"distlock-zk-runner:{self.alias}"))
-        job = _Job(fn, caller_lock=self._green is None)
-        try:
-            runner.submit(job)
-            if job.done is not None:
-                job.done.acquire()
-            else:
-                job.finished.wait()
-            if job.error is None:
-                return job.value
-        except BaseException:
-            runner.submit(_Job(partial(self._after_abandoned, job, abandon)))
-            raise
-        error, job.error = job.error, None
-        raise error
-
-    def _after_abandoned(self, job, abandon, _cleanup_job):
-        """Runner: stop an operation whose caller was interrupted, then give back what it was granted."""
-        job.cancel()
-        if not job.dispatched:
-            return  # never started
-        job.finished.wait()
-        if job.error is None and job.value is not None and abandon is not None:
-            try:
-                abandon(job.value)
-            except BaseException:  # noqa: BLE001 - on a runner thread, nobody else would see it
-                logger.exception("Giving back what an interrupted call on alias %r was granted failed.", self.alias)
+        """Return ``fn(job)``, run where no exception raised asynchronously in the caller can cut it short."""
+        return self._offload.call(fn, abandon=abandon)
 
     def _give_back(self, lease):
         """Release a lease granted to a caller that was interrupted before it could take it."""
@@ -1312,12 +1117,12 @@ class ZooKeeperBackend(BaseLockBackend):
         """Queue ``contender`` and wait until its node holds the lock.
 
         Return when the request that showed the grant was sent (monotonic), and how many looks it took.
-        Raise ``_Abandoned`` once ``job`` is cancelled (its caller was interrupted).
+        Raise ``Abandoned`` once ``job`` is cancelled (its caller was interrupted).
         """
         looks = 0
         while True:
             if job.cancelled:
-                raise _Abandoned(name)
+                raise Abandoned(name)
             looks += 1
             io_deadline = self._io_deadline(deadline)
             # Read before any request of this round: a LOST after it makes the node's epoch stale.
@@ -1745,9 +1550,7 @@ class ZooKeeperBackend(BaseLockBackend):
         try:
             state_thread = self._call(lambda job: self._close())
         finally:
-            runner, self._runner = self._runner, None
-            if runner is not None:
-                runner.stop()
+            self._offload.stop()
         if state_thread is not None and threading.current_thread() is not state_thread:
             state_thread.join()
 

@@ -23,13 +23,7 @@ def operations(scale):
     return 1000 if scale.long else 200
 
 
-#: etcd hangs under this scenario today (issue 13 is open): an interrupt that lands while the caller
-#: holds a lock of gRPC's own leaves it held, and every later call on the channel waits for it.
-INTERRUPT_KEYS = [pytest.param(key, marks=pytest.mark.skip(reason="hangs on etcd today (issue 13)"))
-                  if key == "etcd" else key for key in KEYS]
-
-
-@pytest.mark.parametrize("key", INTERRUPT_KEYS)
+@pytest.mark.parametrize("key", KEYS)
 def test_interrupted_calls_grant_nothing_wrong_and_leave_nothing_held(key, fault_run, safety, scale):
     label, entry = target(key)
     run = fault_run({"under_test": entry}, fenced=False)
