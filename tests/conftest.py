@@ -43,6 +43,12 @@ def backend_alias(request):
     return require_alias(request.param)
 
 
+#: ``make test`` runs a slice of some parametrized soaks, to stay within its 20 minutes;
+#: ``DISTLOCK_FAULTS_LONG=1 make test`` runs them all (and the fault suite's long runs).
+LONG = os.environ.get("DISTLOCK_FAULTS_LONG") == "1"
+long_only = pytest.mark.skipif(not LONG, reason="left to DISTLOCK_FAULTS_LONG=1 make test (make test's time budget)")
+
+
 @pytest.fixture(params=SHARED_ALIASES)
 def shared_alias(request):
     """Each alias whose locks exclude other processes."""

@@ -20,7 +20,7 @@ from distlock.backends.base import SAFE_FENCING_TOKENS
 from distlock.backends.locmem import LocMemBackend
 from distlock.models import FencedModel, FencingRejection
 from distlock.signals import fencing_token_rejected
-from tests.conftest import require_alias
+from tests.conftest import long_only, require_alias
 from tests.fencing_app.models import Account, LooseAccount, RedlockAccount, SavingsAccount
 from tests.fencing_workers import Worker
 
@@ -32,8 +32,9 @@ DATABASE_ALIASES = ["default", "postgres"]
 LOCK_ALIASES = ["default", "postgres", "redis", "zookeeper", "etcd"]
 #: (lock alias, database) pairs of the long 8-process run: every lock backend once, both databases, so
 #: the run fits the suite's time budget; the pause timelines cover every pair.
-SOAK_PAIRS = [("default", "default"), ("postgres", "postgres"), ("redis", "default"), ("zookeeper", "postgres"),
-              ("etcd", "default")]
+SOAK_PAIRS = [("default", "default"), pytest.param("postgres", "postgres", marks=long_only),
+              pytest.param("redis", "default", marks=long_only), ("zookeeper", "postgres"),
+              pytest.param("etcd", "default", marks=long_only)]
 
 
 def require_database(alias):

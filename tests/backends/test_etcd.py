@@ -244,7 +244,10 @@ def test_a_process_reuses_its_keys_of_a_lock_but_never_shares_one(configure, clu
     # A lease whose ttl ran out (the background thread deleted its key) frees the key for the next
     # call; its late release must neither delete that call's key nor let a third call share it.
     expired = distlock.acquire(lock_name, ttl=0.5, using=alias)
-    wait_for(lambda: queue_length(cluster, prefix, lock_name) == 0, 5, "the expired key was not deleted")
+    # The background thread deletes the key, then frees its slot: wait for both (CI once saw the gap).
+    backend = locks[alias]
+    wait_for(lambda: queue_length(cluster, prefix, lock_name) == 0 and lock_name not in backend._session.slots, 5,
+             "the expired key deleted and its slot freed")
     current = distlock.acquire(lock_name, ttl=10, blocking=False, using=alias)
     assert current.handle.key == expired.handle.key
     assert expired.release() is False

