@@ -56,7 +56,9 @@ class StaleFencingToken(LockError):
             label = model._meta.label if model is not None else "row"
             message = (
                 f"{label} pk={pk!r}: fencing token {offered_token} is older than the stored token "
-                f"{current_token}; another holder of lock {lock_name!r} has written since. Nothing was written."
+                f"{current_token}; another holder of lock {lock_name!r} has written since. Nothing was written. (If "
+                f"every write is refused, run `manage.py distlock check`: an alias pointed at another backend "
+                f"issues tokens below the stored ones until its TOKEN_EPOCH is raised.)"
             )
         super().__init__(message)
 

@@ -6,9 +6,11 @@ import re
 import signal
 import threading
 import time
+from io import StringIO
 
 import pytest
 from django.conf import settings
+from django.core.management import call_command
 from django.db import connections, models, router, transaction
 from django.db.models import F
 from django.db.transaction import TransactionManagementError
@@ -852,3 +854,77 @@ def test_many_processes_with_pauses_lose_no_increment(lock_alias, db, lock_name)
     assert len(rejections(db, account)) == len(stale) == sum(e["signals"] for e in events if e["op"] == "done")
     # The ttl means the same on every backend, so a pause past it lets the next process take over.
     assert stale, "pauses past the ttl produced no stale write: the test did not exercise the store"
+
+
+# -- TOKEN_EPOCH: an alias pointed at another backend --------------------------------------------------
+
+def check_command(alias):
+    out = StringIO()
+    call_command("distlock", "check", "--using", alias, stdout=out)
+    return out.getvalue()
+
+
+def moving_alias(settings, backend, **options):
+    """Point the alias 'moving' at ``backend`` (as a deploy that changes its BACKEND does)."""
+    settings.DISTLOCK = {**settings.DISTLOCK, "moving": {"BACKEND": backend, "OPTIONS": options}}
+    return "moving"
+
+
+def test_an_alias_pointed_at_another_backend_writes_again_once_its_token_epoch_is_raised(settings, lock_name):
+    """The rows keep the old backend's tokens; the new backend restarts below them, so every write is refused
+    and ``distlock check`` says why; ``TOKEN_EPOCH`` puts the new tokens above every old one."""
+    require_alias("postgres")
+    account = Account.objects.create(balance=1)
+    alias = moving_alias(settings, "distlock.backends.locmem.LocMemBackend")  # microsecond tokens: ~2**50
+    with distlock.lock(lock_name, ttl=30, using=alias) as lease:
+        Account.objects.claim(lease, pk=account.pk)
+    old_token = stored("default", account).fencing_token
+
+    # PostgreSQL's token sequence: small tokens.
+    alias = moving_alias(settings, "distlock.backends.database.DatabaseBackend", DATABASE="postgres")
+    with distlock.lock(lock_name, ttl=30, using=alias) as lease, pytest.raises(distlock.StaleFencingToken) as caught:
+        Account.objects.claim(lease, pk=account.pk)
+    assert lease.token < old_token and "distlock check" in str(caught.value)
+    out = check_command(alias)
+    assert re.search(rf"WARNING .*Account rows .* up to {old_token}, .*\['TOKEN_EPOCH'\] to 1 ", out), out
+
+    alias = moving_alias(settings, "distlock.backends.database.DatabaseBackend", DATABASE="postgres", TOKEN_EPOCH=1)
+    with distlock.lock(lock_name, ttl=30, using=alias) as lease:
+        claimed = Account.objects.claim(lease, pk=account.pk)
+        claimed.balance = 2
+        claimed.save(lease=lease)
+    assert lease.token > old_token and lease.token >> 52 == 1
+    assert stored("default", account).balance == 2
+    out = check_command(alias)
+    assert f"{alias}: ok" in out and "WARNING" not in out, out
+
+
+def test_token_epoch_is_checked_with_the_other_options(settings):
+    from django.core.checks import run_checks
+
+    for backend, epoch, problem in [
+        ("distlock.backends.locmem.LocMemBackend", 2**11, "must be between 0 and 2047"),
+        ("distlock.backends.locmem.LocMemBackend", -1, "must be between 0 and 2047"),
+        ("distlock.backends.locmem.LocMemBackend", "1", "must be int"),
+        ("distlock.backends.redlock.RedlockBackend", 1, "issues no safe fencing tokens"),
+    ]:
+        options = {"TOKEN_EPOCH": epoch}
+        if "redlock" in backend:
+            options["URLS"] = ["redis://127.0.0.1:1/0", "redis://127.0.0.2:1/0", "redis://127.0.0.3:1/0"]
+        moving_alias(settings, backend, **options)
+        errors = [error for error in run_checks() if error.id == "distlock.E004" and "'moving'" in error.msg]
+        assert errors and problem in errors[0].msg, (backend, epoch, errors)
+
+
+def test_a_token_beyond_the_epoch_s_room_is_given_back(settings, lock_name):
+    """A server token that does not fit below the epoch is no fencing token: the grant is given back."""
+    alias = moving_alias(settings, "distlock.backends.locmem.LocMemBackend", TOKEN_EPOCH=3)
+    backend = distlock.locks[alias]
+    with distlock.lock(lock_name, ttl=30, using=alias) as lease:
+        assert lease.token >> 52 == 3
+        [info] = [info for info in backend.held_locks() if info.name == lock_name]
+        assert info.token == lease.token
+    backend._store.last_token = 2**52  # decades ahead of the clock, as a ZooKeeper zxid of a late epoch would be
+    with pytest.raises(distlock.BackendUnavailable, match="does not fit below TOKEN_EPOCH 3"):
+        distlock.acquire(lock_name, ttl=30, using=alias)
+    assert not [info for info in backend.held_locks() if info.name == lock_name]

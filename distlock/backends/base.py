@@ -8,7 +8,7 @@ from datetime import datetime
 
 from django.core.exceptions import ImproperlyConfigured
 
-from distlock.exceptions import LockNotAcquired
+from distlock.exceptions import BackendUnavailable, LockNotAcquired
 from distlock.holder import new_owner
 from distlock.lease import Lease
 from distlock.redaction import redact
@@ -64,6 +64,32 @@ def optional_positive_number(value):
 def positive_count(value):
     """Return an error unless ``value`` (an int) is at least 1."""
     return None if value >= 1 else "must be at least 1"
+
+
+#: Bits of a fencing token left to the backend's own token below ``TOKEN_EPOCH``: room for every
+#: backend's tokens (locmem's are microseconds since 1970, below 2**52 until 2112; ZooKeeper's zxids
+#: while its leader epoch is below 2**20), and the epoch above them stays within a signed 64-bit column.
+EPOCH_SHIFT = 52
+MAX_TOKEN_EPOCH = 2 ** (63 - EPOCH_SHIFT) - 1
+
+
+def token_epoch(value):
+    """Return an error unless ``value`` is a ``TOKEN_EPOCH`` (0 to ``MAX_TOKEN_EPOCH``)."""
+    return None if 0 <= value <= MAX_TOKEN_EPOCH else f"must be between 0 and {MAX_TOKEN_EPOCH}"
+
+
+def token_in_epoch(epoch, token):
+    """Return the backend's ``token`` placed in ``epoch``, or None if it does not fit below the epoch.
+
+    Tokens of one backend compare only with each other: an alias pointed at another backend, or at a
+    server started afresh, issues tokens below those its fenced rows already store, and every write
+    would be refused as stale. Raising ``TOKEN_EPOCH`` puts every new token above every earlier one.
+    """
+    if not epoch:
+        return token
+    if not 0 <= token < 1 << EPOCH_SHIFT:
+        return None
+    return epoch << EPOCH_SHIFT | token
 
 
 @dataclass(frozen=True)
@@ -135,7 +161,8 @@ class LockInfo:
     alias: str
     name: str
     owner: str
-    token: int
+    #: The holder's fencing token as its lease shows it; None if it does not fit below ``TOKEN_EPOCH``.
+    token: int | None
     acquired_at: datetime | None = None
     expires_at: datetime | None = None
     host: str = ""
@@ -161,6 +188,7 @@ class BaseLockBackend:
         "AUTO_RENEW": Option(bool, False),
         "MAX_HOLD": Option((int, float, type(None)), None, check=optional_positive_number,
                            expected="a number of seconds or None"),
+        "TOKEN_EPOCH": Option(int, 0, check=token_epoch),
     }
 
     #: Options specific to the backend: name -> ``Option``.
@@ -169,6 +197,11 @@ class BaseLockBackend:
     def __init__(self, alias, options):
         self.alias = alias
         self.settings = self.clean_options(alias, options)
+        self._token_epoch = self.settings["TOKEN_EPOCH"]
+
+    def public_token(self, token):
+        """Return the fencing token callers see for the backend's ``token`` (``token_in_epoch``), or None."""
+        return token_in_epoch(self._token_epoch, token)
 
     @classmethod
     def clean_options(cls, alias, options):
@@ -197,6 +230,11 @@ class BaseLockBackend:
                 )
             else:
                 cleaned[name] = option.default
+        if cleaned["TOKEN_EPOCH"] and SAFE_FENCING_TOKENS not in cls.capabilities:
+            raise ImproperlyConfigured(
+                f"DISTLOCK['{alias}']['OPTIONS']['TOKEN_EPOCH'] is set, but {cls.__name__} issues no safe fencing "
+                "tokens to place in an epoch; leave it out."
+            )
         cls.check_combination(alias, cleaned)
         return cleaned
 
@@ -266,12 +304,26 @@ class BaseLockBackend:
         return f"Lock {name!r} on alias '{self.alias}' not acquired: {how}."
 
     def make_lease(self, name, owner, ttl, started, grant):
-        """Return the ``Lease`` for ``grant``; validity counts from ``started``, before the request was sent."""
-        return Lease(
-            backend=self, name=name, owner=owner, token=grant.token, ttl=ttl, started=started,
-            validity=ttl if grant.validity is None else grant.validity, acquired_at=grant.acquired_at,
-            handle=grant.handle, session_timeout=grant.session_timeout,
+        """Return the ``Lease`` for ``grant``; validity counts from ``started``, before the request was sent.
+
+        A token that does not fit below ``TOKEN_EPOCH`` is no fencing token: the grant is given back.
+        """
+        token = self.public_token(grant.token)
+        lease = Lease(
+            backend=self, name=name, owner=owner, token=grant.token if token is None else token, ttl=ttl,
+            started=started, validity=ttl if grant.validity is None else grant.validity,
+            acquired_at=grant.acquired_at, handle=grant.handle, session_timeout=grant.session_timeout,
         )
+        if token is None:
+            try:
+                self._do_release(lease)
+            finally:
+                raise BackendUnavailable(
+                    f"Lock {name!r} on alias '{self.alias}' was given back: the server issued token {grant.token}, "
+                    f"which does not fit below TOKEN_EPOCH {self._token_epoch} (tokens below 2**{EPOCH_SHIFT}); "
+                    f"leave DISTLOCK['{self.alias}']['OPTIONS']['TOKEN_EPOCH'] out for this server."
+                )
+        return lease
 
     def _try_acquire(self, attempt):
         """Try once; return a ``Grant``, or None if another owner holds the lock.

@@ -704,7 +704,8 @@ class DatabaseBackend(BaseLockBackend):
     def held_locks(self, prefix=""):
         rows = self._run(self._dialect.held, {"prefix": prefix, "prefix_length": len(prefix)})
         return [
-            LockInfo(alias=self.alias, name=name, owner=owner, token=token, acquired_at=self._dialect.aware(acquired),
+            LockInfo(alias=self.alias, name=name, owner=owner, token=self.public_token(token),
+                     acquired_at=self._dialect.aware(acquired),
                      expires_at=self._dialect.aware(expires), host=host, pid=pid, task_id=task_id)
             for name, owner, token, acquired, expires, host, pid, task_id in rows
         ]

@@ -1439,7 +1439,7 @@ class EtcdBackend(BaseLockBackend):
         except ValueError:
             record = {}
         return LockInfo(
-            alias=self.alias, name=name, owner=record.get("owner", ""), token=kv.mod_revision,
+            alias=self.alias, name=name, owner=record.get("owner", ""), token=self.public_token(kv.mod_revision),
             acquired_at=_parse_time(record.get("created_at")),
             host=record.get("host", ""), pid=record.get("pid"), task_id=record.get("task_id", ""),
         )

@@ -67,7 +67,7 @@ class LocMemBackend(BaseLockBackend):
             holder = current_holder()
             grant = Grant(token=store.last_token)
             store.locks[name] = _Record(owner, store.last_token, now + ttl, LockInfo(
-                alias=self.alias, name=name, owner=owner, token=store.last_token,
+                alias=self.alias, name=name, owner=owner, token=self.public_token(store.last_token),
                 acquired_at=datetime.now(timezone.utc), host=holder.host, pid=holder.pid, task_id=holder.task_id,
             ))
             return grant

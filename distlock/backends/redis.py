@@ -540,7 +540,7 @@ class RedisBackend(BaseLockBackend):
             holder = json.loads(metadata)
             key = key if isinstance(key, bytes) else key.encode()
             infos.append(LockInfo(
-                alias=self.alias, name=key[strip:].decode(), owner=owner, token=int(token),
+                alias=self.alias, name=key[strip:].decode(), owner=owner, token=self.public_token(int(token)),
                 acquired_at=datetime.fromtimestamp(int(acquired_us) / 1e6, timezone.utc),
                 expires_at=now + timedelta(milliseconds=pttl) if pttl >= 0 else None,
                 host=holder["host"], pid=holder["pid"], task_id=holder["task_id"],

@@ -1504,7 +1504,7 @@ class ZooKeeperBackend(BaseLockBackend):
         except ValueError:
             record = {}
         return LockInfo(
-            alias=self.alias, name=name, owner=record.get("owner", ""), token=stat.mzxid,
+            alias=self.alias, name=name, owner=record.get("owner", ""), token=self.public_token(stat.mzxid),
             acquired_at=datetime.fromtimestamp(stat.ctime / 1000, tz=timezone.utc),
             host=record.get("host", ""), pid=record.get("pid"), task_id=record.get("task_id", ""),
         )

@@ -4,17 +4,22 @@ conformance run."""
 import getpass
 import json
 import socket
+import uuid
 
 from django.apps import apps
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, router
+from django.db.models import Max
 
 from distlock import audit, inventory
+from distlock.backends.base import EPOCH_SHIFT
 from distlock.backends.database import DatabaseBackend
 from distlock.conf import DEFAULT_ALIAS, get_config
 from distlock.conformance.report import markdown_table
 from distlock.conformance.verify import NotVerifiable, verify
+from distlock.exceptions import LockError
+from distlock.fencing import TOKEN_FIELD
 from distlock.handler import locks
 from distlock.metrics import conf as metrics_conf
 from distlock.metrics import report
@@ -69,6 +74,40 @@ def _schema_error(alias):
             f"<migration> --database {backend.database}` for each migration named.")
 
 
+def _fenced_tables():
+    """Yield ``(label, database, highest token)`` for each fenced model's table holding tokens above 0."""
+    from distlock.models import FencedModel  # noqa: PLC0415 - models are ready once a command runs
+
+    for model in apps.get_models():
+        if issubclass(model, FencedModel) and model._meta.managed and not model._meta.proxy:
+            database = router.db_for_read(model)
+            highest = model._base_manager.using(database).aggregate(highest=Max(TOKEN_FIELD))["highest"]
+            if highest:
+                yield model._meta.label, database, highest
+
+
+def _token_warnings(alias, tables):
+    """Return why fenced rows would refuse every write under ``alias``'s locks: they store tokens above its own.
+
+    Tokens compare only among one backend's: an alias pointed at another backend, or at a server
+    started afresh, restarts below what the rows store (``TOKEN_EPOCH`` is the fix). One probe lock
+    shows where the alias's tokens stand.
+    """
+    backend = locks[alias]
+    if not backend.token_is_safe or not tables:
+        return []
+    lease = backend.acquire(f"distlock-check:{uuid.uuid4().hex}", ttl=10, timeout=10, blocking=True)
+    lease.release()
+    needed = max(backend.settings["TOKEN_EPOCH"] + 1, (max(highest for *_, highest in tables) >> EPOCH_SHIFT) + 1)
+    return [
+        f"{label} rows (DATABASES['{database}']) store fencing tokens up to {highest}, above the token alias "
+        f"'{alias}' issues now ({lease.token}): if they are written under '{alias}' locks, every write is refused "
+        f"as stale. If the alias was pointed at another backend or a server started afresh, set "
+        f"DISTLOCK['{alias}']['OPTIONS']['TOKEN_EPOCH'] to {needed} so that its tokens start above every earlier one."
+        for label, database, highest in tables if highest > lease.token
+    ]
+
+
 def _iso(moment):
     return None if moment is None else moment.isoformat()
 
@@ -104,7 +143,8 @@ class Command(BaseCommand):
 
         check = commands.add_parser(
             "check", help="Make one round trip to every backend and, for database backends, look up the tables "
-                          "(and sequence) they need; exit non-zero if any fails (a health probe).")
+                          "(and sequence) they need; exit non-zero if any fails (a health probe). Warns when "
+                          "fenced rows store tokens above those an alias issues (see TOKEN_EPOCH).")
         check.add_argument("--using", help="only this DISTLOCK alias")
 
         stats = commands.add_parser("stats", help="Show the lock metrics of every process, with alerts.")
@@ -213,16 +253,24 @@ class Command(BaseCommand):
 
     def handle_check(self, *, using, **options):
         results = inventory.ping_all(using)
+        tables = None
         for result in results:
             if not result.error:
                 # Reachable is not enough: an unmigrated database answers SELECT 1 and refuses every lock.
                 result.error = _schema_error(result.alias)
+            warnings = list(result.foreign)
+            if not result.error:
+                try:
+                    tables = list(_fenced_tables()) if tables is None else tables
+                    warnings += _token_warnings(result.alias, tables)
+                except (LockError, DatabaseError) as exc:
+                    result.error = redact(f"could not compare its fencing tokens with the fenced rows: {exc}")
             if result.error:
                 self.stdout.write(f"{result.alias}: FAILED {result.error} ({result.backend})")
             else:
                 self.stdout.write(f"{result.alias}: ok {result.seconds * 1000:.2f} ms ({result.backend})")
-            for record in result.foreign:
-                self.stdout.write(f"{result.alias}: WARNING {record}")
+            for warning in warnings:
+                self.stdout.write(f"{result.alias}: WARNING {warning}")
         failed = [result.alias for result in results if result.error]
         if failed:
             raise CommandError(f"{len(failed)} backend(s) failed: {', '.join(failed)}.")
