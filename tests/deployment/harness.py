@@ -433,6 +433,29 @@ def green_failures(figures, max_connections=None):
     return failures
 
 
+#: Pool × backend pairs distlock refuses by design -> what every run must fail with (gRPC has no eventlet
+#: support, so the etcd alias refuses to be built in an eventlet-patched process; docs/DEPLOYMENT.md).
+REFUSED = {("eventlet", "etcd"): ("ImproperlyConfigured", "eventlet")}
+
+
+def refusal_failures(figures):
+    """What went wrong in a ``run_green_pool`` run of a refused pair: every run, the long one included, must
+    fail with the error that names the fix, and nothing may be left held or hang."""
+    kind, named = REFUSED[(figures["pool"], figures["alias"])]
+    errors = list(figures["errors"])
+    if figures.get("long_run") is not None:
+        errors.append(figures["long_run"].get("error") or "the long run ran")
+    failures = [f"a run did not fail with {kind} naming {named}: {error}" for error in errors
+                if not (error.startswith(kind) and named in error)][:3]
+    if len(figures["errors"]) < figures["runs"]:
+        failures.append(f"{figures['runs'] - len(figures['errors'])} of {figures['runs']} runs were not refused")
+    if figures["held_after"]:
+        failures.append(f"still held after the runs: {figures['held_after']}")
+    if figures["shutdown_seconds"] is None:
+        failures.append("warm shutdown did not complete within 30 s")
+    return failures
+
+
 #: How a storm run may end: its time limit, or skipped (its key held by an earlier run of the storm).
 STORM_OUTCOMES = {"SoftTimeLimitExceeded", "TimeLimitExceeded"}
 

@@ -41,8 +41,12 @@ def celery_table(rows):
                      f"| {len(row['errors'])} | {row['overlaps']} | {len(row['held_after'])} | {kept} "
                      f"| {row['most_connections'] if row['most_connections'] is not None else '–'} "
                      f"| {row['shutdown_seconds'] if row['shutdown_seconds'] is not None else 'hung'} s "
-                     f"| {verdict(row['failures'])} |")
+                     f"| {refused_verdict(row['failures']) if row.get('refused') else verdict(row['failures'])} |")
     return lines
+
+
+def refused_verdict(failures):
+    return "ok: refused, naming the fix (documented)" if not failures else verdict(failures)
 
 
 def gunicorn_table(rows):
