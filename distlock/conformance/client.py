@@ -26,6 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from distlock.conformance.history import History
+
 
 class Client:
     """The state of one client process: its leases by lock name, the values its claims read, its history."""
@@ -39,6 +41,7 @@ class Client:
         self.proc = config["proc"]
         self.alias = config["alias"]
         self.history = history
+        self.history_path = Path(config["history"])
         store = config.get("store")
         self.store = FencedStore(store["database"], store["suffix"]) if store else None
         self.leases = {}
@@ -277,6 +280,75 @@ class Client:
         else:
             raise ValueError(f"unknown churn mode {mode!r}; use 'executor' or 'request'")
         return {**tally.counts(), "threads": started}
+
+    def forks(self, prefix, forks=3, rounds=20, names=3, ttl=5.0, timeout=30.0, held_ttl=1.0, wait=60.0):
+        """Fork ``forks`` children while holding ``{prefix}:held`` (auto-renewed); all take turns on the same names.
+
+        As a pre-fork server does (gunicorn ``--preload``, Celery prefork, ``multiprocessing``): each
+        child, and the parent meanwhile, makes ``rounds`` acquire/release on ``{prefix}:{n % names}``.
+        A child must not run the parent's client threads nor use its connections: it builds its own
+        backend, records its turns in a history file of its own, writes its counts to a file and
+        exits. The parent's held lease must outlive the forks by 2.5 ttls (renewed, still valid,
+        released cleanly). Return the parent's counts, each child's, the children's exit codes and the held
+        lease's state.
+        """
+        held = self.distlock.acquire(f"{prefix}:held", ttl=held_ttl, timeout=timeout, auto_renew=True,
+                                     using=self.alias)
+        self.history.record("acquire", phase="ok", lock=held.name, token=held.token, owner=held.owner)
+        self.history.record("cs_enter", lock=held.name, owner=held.owner, token=held.token)
+        parent, children = _Tally(), {}
+        rng, forked_at = random.Random(0), time.monotonic()
+        for number in range(forks):
+            outcome = self.history_path.with_name(f"{self.proc}-fork{number}.json")
+            pid = os.fork()
+            if pid == 0:
+                self._forked_child(number, outcome, prefix, rounds, names, ttl, timeout)  # never returns
+            children[pid] = outcome
+            for n in range(rounds):
+                self._take(parent, f"{prefix}:{n % names}", ttl, timeout, (0.0, 0.002), rng)
+        # The held lease must be renewed after the forks, not just valid: it lives at least 2.5 ttls past them.
+        time.sleep(max(0.0, forked_at + 2.5 * held_ttl - time.monotonic()))
+        exits, deadline = {}, time.monotonic() + wait
+        while len(exits) < len(children) and time.monotonic() < deadline:
+            for pid in children:
+                if pid not in exits and os.waitpid(pid, os.WNOHANG)[0]:
+                    exits[pid] = "exited"
+            time.sleep(0.02)
+        codes, counts = [], []
+        for pid, outcome in children.items():
+            if pid not in exits:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                codes.append("hung")
+                continue
+            try:
+                counts.append(json.loads(outcome.read_text()))
+                codes.append(0)
+            except (OSError, ValueError):
+                codes.append("no counts")
+        try:
+            held.check()
+            self.history.record("cs_exit", lock=held.name, owner=held.owner, token=held.token)
+            state = "kept" if held.release() else "gone at release"
+        except self.distlock.LockError as exc:
+            state = f"{type(exc).__name__}: {exc}"
+        return {"parent": parent.counts(), "children": counts, "exits": codes, "held": state}
+
+    def _forked_child(self, number, outcome, prefix, rounds, names, ttl, timeout):
+        """Run a forked child's turns, write its counts to ``outcome`` and exit; never return into the parent's code."""
+        code = 1
+        try:
+            self.proc = f"{self.proc}-fork{number}"
+            self.history = History(self.history_path.with_name(f"{self.proc}.jsonl"), self.proc)
+            tally, rng = _Tally(), random.Random(number + 1)
+            for n in range(rounds):
+                self._take(tally, f"{prefix}:{n % names}", ttl, timeout, (0.0, 0.002), rng)
+            self.history.close()
+            outcome.write_text(json.dumps(tally.counts()))
+            code = 0
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
 
     def tries(self, name, threads, start, seconds, ttl=10.0, hold=0.003):
         """``threads`` threads try ``name`` back to back (``blocking=False``) from ``start`` for ``seconds``.
@@ -814,7 +886,7 @@ def _caused_by(exc, kind):
 
 
 COMMANDS = {"acquire", "release", "claim", "write", "enter", "exit", "check", "watch", "hold_valid", "sleep",
-            "loop", "churn", "tries", "contend", "held", "interrupts", "metrics", "describe", "probe"}
+            "loop", "churn", "forks", "tries", "contend", "held", "interrupts", "metrics", "describe", "probe"}
 
 
 def answer(lock, message):
@@ -826,8 +898,6 @@ def answer(lock, message):
 def run(config, control=None):
     """Serve commands until stdin closes or ``quit`` arrives; ``control`` maps op -> callable run at once."""
     import django  # noqa: PLC0415
-
-    from distlock.conformance.history import History  # noqa: PLC0415
 
     # A crash (SIGSEGV in a C extension) leaves every thread's stack in the client's stderr file.
     faulthandler.enable()

@@ -10,6 +10,8 @@
   the lock once the server has noticed (ttl, or session timeout), and its writes must be accepted.
 - ``thread_churn``: clients whose threads start and end all the time (executor generations, a thread
   per request) take locks on five names: no crash, no error, no overlap.
+- ``forks``: a client holding an auto-renewed lock forks children (a pre-fork server); parent and
+  children take turns on the same names: no child hangs or fails, no overlap, the held lease lives on.
 - ``contended_tries``: processes x threads try one name back to back without blocking: no overlap;
   the grant rate is reported.
 - ``interrupts``: a client's acquire, extend and release calls are interrupted at random points (a
@@ -230,6 +232,45 @@ def thread_churn(run, backend, *, seconds=3.0, processes=1, ttl=10.0, timeout=30
     if counts:
         threads = sum(count["threads"] for count in counts)
         result.notes.append(f"{threads} threads started in {seconds:g} s")
+    return result
+
+
+def forks(run, backend, *, forks=3, rounds=20, names=3):
+    """One client holds an auto-renewed lock and forks ``forks`` children; parent and children take turns.
+
+    Each child must build its own backend (the parent's client threads do not run in it, and it does
+    not read the parent's connections), take its ``rounds`` turns and exit 0; the parent's turns go
+    on meanwhile, and its held lease must outlive the forks. A child that hangs, fails or errs, an
+    overlap, or a held lease lost is a violation.
+    """
+    (client,) = run.spawn("forking")
+    prefix = f"{run.lock_name()}:forks"
+    command = client.send("forks", prefix=prefix, forks=forks, rounds=rounds, names=names)
+    problems = []
+    try:
+        outcome = client.result(command, wait=180)
+    except ClientDied:
+        problems.append(_died(client))
+        outcome = None
+    except (ClientError, TimeoutError) as exc:
+        problems.append(f"client {client.proc}: {exc}")
+        outcome = None
+    run.close()
+    result = run.judge("fork with locks held", backend, 1, expect_overlap=False)
+    result.violations += problems
+    if outcome is not None:
+        if any(code != 0 for code in outcome["exits"]):
+            result.violations.append(f"children ended {outcome['exits']} (0 each expected)")
+        counts = [outcome["parent"], *outcome["children"]]
+        errors = _errors(counts)
+        if errors:
+            result.violations.append(f"errors: {errors}")
+        if any(count["acquired"] < rounds for count in counts):
+            result.violations.append(f"turns taken {[count['acquired'] for count in counts]}, {rounds} each expected")
+        if outcome["held"] != "kept":
+            result.violations.append(f"the lease held across the forks: {outcome['held']}")
+        result.notes.append(f"{len(outcome['children'])} children forked while a lease was held; "
+                            f"{sum(count['acquired'] for count in counts)} turns in all")
     return result
 
 

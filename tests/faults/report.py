@@ -66,6 +66,10 @@ SCENARIOS = [
                                   "the documented ones and the interrupt, no hang, every name free within ttl + 1 s "
                                   "(+ the session timeout) after the client exits, the alias still usable afterwards "
                                   "(figures below)"),
+    ("13", "fork with locks held", "a client holding an auto-renewed lock (ttl 1 s) forks 3 children, as a pre-fork "
+                                   "server does; each child and the parent meanwhile take 20 turns on 3 shared names: "
+                                   "no child hangs or fails, no error, no overlap, the held lease lives on 2.5 ttls "
+                                   "past the forks (5 children and 40 turns with `--long`)"),
     ("", "bad input", "invalid names, ttls, timeouts, flags, aliases and tokens into acquire, lock, read_lock, "
                        "write_lock, Lease.extend, claim, save and fenced_update"),
 ]

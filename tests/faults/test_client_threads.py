@@ -1,4 +1,5 @@
-"""Scenarios 10 and 11 on every backend: threads that come and go, and contended tries (issue 21).
+"""Scenarios 10, 11 and 13 on every backend: threads that come and go, contended tries (issue 21), and a fork
+with locks held (issue 25).
 
 They disturb only client processes, so they run on the shared servers (``python -m tests.servers``);
 the database backend runs on SQLite too (the suite's own test database), where thread churn crashed
@@ -68,3 +69,14 @@ def test_contended_tries_never_overlap(key, fault_run, safety, scale):
     assert result.tries_per_second > 0
     if key != "zookeeper":  # ZooKeeper's grant rate is asserted by its own regression test (issue 21)
         assert result.acquisitions > 0, "a lock that is tried back to back must be granted now and then"
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_children_forked_while_a_lock_is_held_work_and_leave_the_parent_working(key, fault_run, safety, scale):
+    """A pre-fork server: children take turns beside the parent, which keeps its auto-renewed lease."""
+    label, entry = target(key)
+    run = fault_run({"under_test": patient(entry)}, fenced=False)
+    result = safety.record(scenarios.forks(run, label, forks=5 if scale.long else 3, rounds=40 if scale.long else 20))
+
+    assert result.ok, result.violations
+    assert result.overlaps == 0
