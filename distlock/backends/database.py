@@ -484,8 +484,8 @@ class _SQLite(_Dialect):
 
     @staticmethod
     def acquire(cursor, params):
-        cursor.execute(SQLITE_BEGIN)
         try:
+            cursor.execute(SQLITE_BEGIN)  # inside: an interrupt just after it must roll back too
             cursor.execute(SQLITE_NEXT_TOKEN)
             (token,) = cursor.fetchone()
             cursor.execute(SQLITE_ACQUIRE, {**params, "token": token})
@@ -631,7 +631,15 @@ class DatabaseBackend(BaseLockBackend):
                     with wrapper.wrap_database_errors:
                         self._dialect.connect(wrapper, ends - time.monotonic(), configured_options)
                         with self._dialect.bounded(wrapper, ends - time.monotonic()) as watch:
-                            return step(wrapper.connection.cursor(), params)
+                            cursor = wrapper.connection.cursor()
+                            try:
+                                return step(cursor, params)
+                            finally:
+                                # An interrupt between execute() and the last row leaves the statement
+                                # unfinished, and an unfinished SQLite write keeps the write slot, even
+                                # past closing the connection, until the cursor is collected (the
+                                # interrupt's traceback keeps it). Closing the cursor ends the statement.
+                                cursor.close()
                 except DatabaseError as exc:
                     cut_meanwhile = reused and not (watch is not None and watch.fired) and not wrapper.is_usable()
                     if retried or not cut_meanwhile or time.monotonic() >= ends:

@@ -607,19 +607,27 @@ def test_a_call_interrupted_in_the_watchdog_never_stalls_the_others():
         writer.close()
 
 
-def test_an_sqlite_acquire_interrupted_anywhere_leaves_the_write_slot_free(lock_name):
-    # Scenario 12 once found SQLite's write slot held after its storm (cause not found yet, issue 25):
-    # wherever one interrupt lands in an acquire, the next writer must get the slot.
+@pytest.mark.parametrize("call", ["acquire", "release", "extend"])
+def test_an_sqlite_call_interrupted_anywhere_leaves_the_write_slot_free(lock_name, call):
+    # Before: an interrupt between a release's or an extend's execute() and its fetchone() left the
+    # DELETE/UPDATE ... RETURNING unfinished, holding the write slot even after the pool closed the
+    # connection, for as long as the interrupt's traceback kept the cursor (a time-limit storm, scenario 12).
     backend = locks["default"]
     names = (f"{lock_name}:{n}" for n in range(100_000))
 
     def make():
         name = next(names)
+        lease = None if call == "acquire" else backend.acquire(name, ttl=5, timeout=0, blocking=False)
+        interrupted = {
+            "acquire": lambda: backend.acquire(name, ttl=5, timeout=0, blocking=False),
+            "release": lambda: backend.release(lease),
+            "extend": lambda: backend.extend(lease, 5),
+        }[call]
 
         def notify():
-            lease = backend.acquire(f"{name}:after", ttl=5, timeout=0, blocking=False)
-            assert lease is not None and backend.release(lease)
+            after = backend.acquire(f"{name}:after", ttl=5, timeout=0, blocking=False)
+            assert after is not None and backend.release(after)
 
-        return (lambda: backend.acquire(name, ttl=5, timeout=0, blocking=False)), notify
+        return interrupted, notify
 
     assert lines_that_break(make, most=3000) == []
