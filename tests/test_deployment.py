@@ -202,10 +202,9 @@ def test_soft_time_limit_storm_on_prefork(record):
     """40 runs per backend, each ended by a soft time limit drawn from 0.02–0.6 s while it makes lock calls:
     afterwards no key is held past ttl + 1 s and every key's next run gets its lock (was: keys held 27–32 s
     with ttl 4 on every backend, znodes left for the life of the pool process)."""
-    # etcd (a key held past its ttl) still fails (issue 25 is open): `make matrix` runs it. SQLite is in
-    # (was: the write slot stayed taken after a release or an extend interrupted before its last row).
-    aliases = ALIASES if MATRIX else ("default", "postgres", "redis", "zookeeper")
-    figures, failures = storm(record, "prefork", aliases, 80 if MATRIX else 40, 4, "soft")
+    # SQLite was: the write slot stayed taken after a release or an extend interrupted before its last row;
+    # etcd: a key held past its ttl, before its calls ran out of an interrupt's reach (backends/offload.py).
+    figures, failures = storm(record, "prefork", ALIASES, 80 if MATRIX else 40, 4, "soft")
     assert not failures, json.dumps(figures, indent=1, default=str)
 
 

@@ -39,6 +39,14 @@ SOAK_PAIRS = [("default", "default"), pytest.param("postgres", "postgres", marks
               pytest.param("etcd", "default", marks=long_only)]
 
 
+#: (lock alias, database) pairs of the pause timelines in ``make test``: every lock backend once, both
+#: databases; the other pairs run with ``DISTLOCK_FAULTS_LONG=1`` (the suite's time budget).
+TIMELINE_PAIRS = [("default", "default"), ("postgres", "postgres"), ("redis", "default"), ("zookeeper", "postgres"),
+                  ("etcd", "default")]
+ALL_PAIRS = [pytest.param(alias, db, marks=() if (alias, db) in TIMELINE_PAIRS else long_only)
+             for alias in LOCK_ALIASES for db in DATABASE_ALIASES]
+
+
 def require_database(alias):
     """Return ``alias``; PostgreSQL fails the test if ``make test`` started it but it is missing."""
     if alias not in settings.DATABASES:
@@ -750,6 +758,7 @@ def writes_of(events):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("lock_alias", "db"), ALL_PAIRS, indirect=True)
 def test_paused_holder_is_refused_by_the_store(lock_alias, db, lock_name):
     """A claims, is paused past its ttl; B takes the lock, claims, writes, releases; A wakes up and writes."""
     account = Account.objects.using(db).create(balance=100)
@@ -785,6 +794,7 @@ def test_paused_holder_is_refused_by_the_store(lock_alias, db, lock_name):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("lock_alias", "db"), ALL_PAIRS, indirect=True)
 def test_read_modify_write_with_claim_loses_no_update(lock_alias, db, lock_name):
     """A claims and reads, is paused; B claims and reads the same value; A writes (refused); B writes."""
     account = Account.objects.using(db).create(balance=100)

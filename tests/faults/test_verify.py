@@ -11,7 +11,7 @@ from django.core.management import CommandError, call_command
 from django.test import override_settings
 
 from distlock.handler import locks
-from tests.conftest import require_alias
+from tests.conftest import long_only, require_alias
 from tests.faults.conftest import DATABASES
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=DATABASES)]
@@ -25,7 +25,7 @@ def children_use_test_databases(monkeypatch):
     monkeypatch.setenv("DISTLOCK_TEST_CHILD", "1")
 
 
-@pytest.mark.parametrize("alias", ["default", "redis"])
+@pytest.mark.parametrize("alias", ["default", pytest.param("redis", marks=long_only)])
 def test_verify_prints_the_table_and_passes_on_a_sound_backend(alias, store_database, children_use_test_databases,
                                                                capsys):
     require_alias(alias)
