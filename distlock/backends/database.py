@@ -509,6 +509,15 @@ def _engine_vendor(engine):
     return load_backend(engine).DatabaseWrapper.vendor
 
 
+#: Seconds of the first pause after a shared-cache table lock (``_table_locked``); it doubles up to 50 ms.
+TABLE_LOCKED_PAUSE = 0.001
+
+
+def _table_locked(exc):
+    """True for SQLite's "database table is locked": another connection of a shared cache holds the table."""
+    return getattr(exc.__cause__, "sqlite_errorname", "").startswith("SQLITE_LOCKED")
+
+
 def _is_private_memory_database(name):
     """True for an SQLite database only its own connection can see (":memory:", or no shared cache)."""
     name = str(name)
@@ -622,7 +631,7 @@ class DatabaseBackend(BaseLockBackend):
         bound = self._call_bound(deadline)
         ends = time.monotonic() + bound
         configured_options = settings.DATABASES[self.database].get("OPTIONS", {})
-        retried = False
+        retried, table_locked = False, 0
         while True:
             with self._pool.connection(ends, partial(self._pool_busy, bound), urgent=urgent) as wrapper:
                 reused = wrapper.connection is not None
@@ -641,6 +650,13 @@ class DatabaseBackend(BaseLockBackend):
                                 # interrupt's traceback keeps it). Closing the cursor ends the statement.
                                 cursor.close()
                 except DatabaseError as exc:
+                    if _table_locked(exc) and time.monotonic() < ends:
+                        # A shared-cache SQLite database (Django's in-memory test database) locks tables
+                        # without waiting in busy_timeout: wait here instead, within the call's bound. The
+                        # step changed nothing (its transaction rolled back), so it runs again as it is.
+                        time.sleep(min(TABLE_LOCKED_PAUSE * 2 ** table_locked, ends - time.monotonic(), 0.05))
+                        table_locked += 1
+                        continue
                     cut_meanwhile = reused and not (watch is not None and watch.fired) and not wrapper.is_usable()
                     if retried or not cut_meanwhile or time.monotonic() >= ends:
                         raise BackendUnavailable(self._unavailable_message(exc, bound, watch)) from exc
