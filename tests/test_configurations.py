@@ -6,11 +6,12 @@ from datetime import datetime, timedelta, timezone
 from io import StringIO
 
 import pytest
+from django.core import checks
 from django.core.management import call_command
 
 import distlock
 from distlock.handler import locks
-from distlock.models import FencingRejection
+from distlock.models import FencingRejection, Lock
 from tests.conftest import require_alias
 from tests.generated_project import database_left_behind, postgres_address, write_project
 from tests.test_admin import PAGE, lock_row
@@ -92,8 +93,7 @@ def test_claims_and_fenced_updates_go_to_the_primary_under_a_read_replica_router
 
 
 class LocksDatabaseRouter:
-    """Keeps the distlock app's own models (rejections, metrics) on the "locks" database; lock rows follow the
-    alias's ``DATABASE`` option instead."""
+    """Keeps the distlock app's own models (lock rows, rejections, metrics) on the "locks" database."""
 
     def db_for_read(self, model, **hints):
         return "locks" if model._meta.app_label == "distlock" else None
@@ -118,6 +118,33 @@ def test_with_distlock_routed_to_its_own_database_rejections_land_and_show_there
     out = StringIO()
     call_command("distlock", "stats", stdout=out)
     assert admin_client.get(PAGE).status_code == 200
+
+
+def test_with_distlock_routed_to_its_own_database_lock_rows_land_there_unless_database_says_otherwise(
+        settings, lock_name):
+    """An alias without ``DATABASE`` keeps its lock rows where the routers write ``Lock`` (was: always on
+    "default"); an explicit ``DATABASE`` still wins; a router naming no database is a system check error
+    (the metrics' one crashed the checks with a KeyError)."""
+    settings.DATABASE_ROUTERS = [f"{__name__}.LocksDatabaseRouter"]
+    settings.DISTLOCK = {**settings.DISTLOCK,
+                         "routed": {"BACKEND": "distlock.backends.database.DatabaseBackend"},
+                         "pinned": {"BACKEND": "distlock.backends.database.DatabaseBackend",
+                                    "OPTIONS": {"DATABASE": "default"}}}
+    with distlock.lock(lock_name, using="routed"):
+        assert Lock.objects.using("locks").filter(name=lock_name).exists()
+        assert not Lock.objects.using("default").filter(name=lock_name).exists()
+    with distlock.lock(f"{lock_name}:pinned", using="pinned"):
+        assert Lock.objects.using("default").filter(name=f"{lock_name}:pinned").exists()
+    settings.DATABASE_ROUTERS = [f"{__name__}.UnknownDatabaseRouter"]
+    found = checks.run_checks()
+    errors = [error.msg for error in found if error.id == "distlock.E004" and "'routed'" in error.msg]
+    assert errors and "the database routers give for writing distlock's Lock is 'nowhere'" in errors[0], errors
+    assert [error for error in found if error.id == "distlock.E006" and "MetricSample is 'nowhere'" in error.msg]
+
+
+class UnknownDatabaseRouter:
+    def db_for_write(self, model, **hints):
+        return "nowhere" if model._meta.app_label == "distlock" else None
 
 
 GENERATED_SETTINGS = """

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from functools import partial
 from datetime import timezone as dt_timezone
 
+from django.apps import apps
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, ProgrammingError, connections
+from django.db import DatabaseError, ProgrammingError, connections, router
 from django.db.backends.base.base import NO_DB_ALIAS
 from django.db.backends.signals import connection_created
 from django.db.utils import load_backend
@@ -509,6 +510,17 @@ def _engine_vendor(engine):
     return load_backend(engine).DatabaseWrapper.vendor
 
 
+def lock_database(options):
+    """The database of an alias's lock rows: its ``DATABASE`` option, else where the routers write ``Lock``.
+
+    Without routers that is ``default``; a router that keeps the distlock app on a database of its own
+    keeps the lock rows there too, next to the rejection log and the metrics.
+    """
+    if options["DATABASE"] is not None:
+        return options["DATABASE"]
+    return router.db_for_write(apps.get_model("distlock", "Lock"))
+
+
 #: Seconds of the first pause after a shared-cache table lock (``_table_locked``); it doubles up to 50 ms.
 TABLE_LOCKED_PAUSE = 0.001
 
@@ -538,14 +550,15 @@ class DatabaseBackend(BaseLockBackend):
     capabilities = frozenset({SAFE_FENCING_TOKENS})
 
     options = {
-        "DATABASE": Option(str, DEFAULT_DB_ALIAS, expected="the alias of a database in settings.DATABASES"),
+        "DATABASE": Option((str, type(None)), None,
+                           expected="the alias of a database in settings.DATABASES, or None (the database routers)"),
         "STATEMENT_TIMEOUT": Option((int, float), 5, check=positive_number, expected="a number of seconds"),
         "MAX_CONNECTIONS": Option(int, 10, check=positive_count, expected="a whole number of connections"),
     }
 
     def __init__(self, alias, options):
         super().__init__(alias, options)
-        self.database = self.settings["DATABASE"]
+        self.database = lock_database(self.settings)
         self.vendor = _engine_vendor(settings.DATABASES[self.database]["ENGINE"])
         self._dialect = DIALECTS[self.vendor]()
         self._pool = _ConnectionPool(self._new_connection, self.settings["MAX_CONNECTIONS"])
@@ -553,11 +566,13 @@ class DatabaseBackend(BaseLockBackend):
 
     @classmethod
     def check_combination(cls, alias, options):
-        database = options["DATABASE"]
+        database = lock_database(options)
         if database not in settings.DATABASES:
+            source = ("is" if options["DATABASE"] is not None
+                      else "is not set, and the database routers give for writing distlock's Lock is")
             raise ImproperlyConfigured(
-                f"DISTLOCK['{alias}']['OPTIONS']['DATABASE'] is '{database}', which is not in settings.DATABASES "
-                f"(configured: {', '.join(map(repr, settings.DATABASES))})."
+                f"DISTLOCK['{alias}']['OPTIONS']['DATABASE'] {source} '{database}', which is not in "
+                f"settings.DATABASES (configured: {', '.join(map(repr, settings.DATABASES))})."
             )
         entry = settings.DATABASES[database]
         try:

@@ -70,6 +70,12 @@ def load():
         values[field.name] = value
     if "database" not in values:
         values["database"] = router.db_for_write(apps.get_model("distlock", "MetricSample"))
+        if values["database"] not in settings.DATABASES:
+            raise ImproperlyConfigured(
+                f"settings.DISTLOCK_METRICS['DATABASE'] is not set, and the database routers give for writing "
+                f"distlock's MetricSample is {values['database']!r}, which is not in settings.DATABASES "
+                f"(configured: {sorted(settings.DATABASES)})."
+            )
     loaded = MetricsSettings(**values)
     if loaded.recent_window > loaded.history:
         raise ImproperlyConfigured(
