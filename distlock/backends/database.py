@@ -16,6 +16,7 @@ import socket
 import sqlite3
 import threading
 import time
+import uuid
 import weakref
 import zoneinfo
 from contextlib import nullcontext, suppress
@@ -530,6 +531,11 @@ def _table_locked(exc):
     return getattr(exc.__cause__, "sqlite_errorname", "").startswith("SQLITE_LOCKED")
 
 
+def _is_shared_memory_database(name):
+    """True for an in-memory SQLite database with a shared cache (Django's SQLite test database)."""
+    return "mode=memory" in name and "cache=shared" in name
+
+
 def _is_private_memory_database(name):
     """True for an SQLite database only its own connection can see (":memory:", or no shared cache)."""
     name = str(name)
@@ -562,6 +568,9 @@ class DatabaseBackend(BaseLockBackend):
         self.vendor = _engine_vendor(settings.DATABASES[self.database]["ENGINE"])
         self._dialect = DIALECTS[self.vendor]()
         self._pool = _ConnectionPool(self._new_connection, self.settings["MAX_CONNECTIONS"])
+        #: (name, keeper connection) of the lock rows' own in-memory database, if any (``_memory_database``).
+        self._memory = None
+        self._memory_lock = threading.Lock()
         connection_created.connect(self._close_before_database_maintenance, weak=True)
 
     @classmethod
@@ -607,14 +616,39 @@ class DatabaseBackend(BaseLockBackend):
         # Django keeps one pool per alias, shared with the ORM; this connection is the backend's own.
         entry["OPTIONS"].pop("pool", None)
         entry["AUTOCOMMIT"] = True
+        if self.vendor == "sqlite" and _is_shared_memory_database(str(entry["NAME"])):
+            entry["NAME"] = self._memory_database(entry)
         wrapper = load_backend(entry["ENGINE"]).DatabaseWrapper(entry, self.database)
         # Whichever thread checks it out next uses it (one at a time), and may close it.
         wrapper.inc_thread_sharing()
         return wrapper
 
+    def _memory_database(self, entry):
+        """Return the name of this backend's own in-memory database, made with the lock tables at first use.
+
+        Django's SQLite test database is in memory with a shared cache, whose table locks never wait:
+        while a lock statement wrote, the tests' own ORM writes failed with "database table is locked".
+        Lock rows in an in-memory database of their own share no cache with them, and no other process
+        could see either database. A keeper connection holds it until ``close()``.
+        """
+        with self._memory_lock:
+            if self._memory is None:
+                name = f"file:distlock-{self.alias}-{uuid.uuid4().hex}?mode=memory&cache=shared"
+                keeper = load_backend(entry["ENGINE"]).DatabaseWrapper({**entry, "NAME": name}, self.database)
+                keeper.inc_thread_sharing()
+                with keeper.schema_editor() as editor:
+                    editor.create_model(apps.get_model("distlock", "Lock"))
+                    editor.create_model(apps.get_model("distlock", "TokenSequence"))
+                self._memory = (name, keeper)
+            return self._memory[0]
+
     def close(self):
         self._pool.close()
         self._dialect.close()
+        with self._memory_lock:
+            memory, self._memory = self._memory, None
+        if memory is not None:
+            _close(memory[1])
 
     def _close_before_database_maintenance(self, *, connection, **kwargs):
         """Close the idle connections when Django connects to no database in particular (``NO_DB_ALIAS``).
@@ -708,6 +742,8 @@ class DatabaseBackend(BaseLockBackend):
         if self.vendor != "sqlite":
             return
         database_name = str(settings.DATABASES[self.database]["NAME"])
+        if _is_shared_memory_database(database_name):
+            return  # the lock rows live in an in-memory database of their own (``_memory_database``)
         for connection in connections.all(initialized_only=True):
             if (connection.vendor == "sqlite" and str(connection.settings_dict["NAME"]) == database_name
                     and connection.connection is not None and connection.connection.in_transaction):

@@ -636,8 +636,9 @@ def test_an_sqlite_call_interrupted_anywhere_leaves_the_write_slot_free(lock_nam
 def test_auto_renewed_leases_on_django_s_in_memory_sqlite_test_database_lose_nothing():
     """Django's SQLite test database without a NAME is in memory with a shared cache, whose table locks do not
     wait in busy_timeout (was: hundreds of "database table is locked" errors, renewals failing and leases
-    lost within seconds). Leases with ttl 1 s and auto_renew beside 4 threads of other locks: 20 s with
-    DISTLOCK_FAULTS_LONG=1."""
+    lost within seconds, and the test's own ORM writes failing the same way). Leases with ttl 1 s and
+    auto_renew beside 4 threads of other locks and one of ORM writes, then a lock inside atomic() (was:
+    LockWouldDeadlock): 20 s with DISTLOCK_FAULTS_LONG=1."""
     seconds = 20 if LONG else 6
     process = subprocess.run([sys.executable, "-m", "tests.shared_cache_sqlite", str(seconds)], capture_output=True,
                              text=True, cwd=ROOT, timeout=seconds + 120, check=False)
@@ -645,3 +646,4 @@ def test_auto_renewed_leases_on_django_s_in_memory_sqlite_test_database_lose_not
     assert process.returncode == 0, report
     outcome = json.loads(process.stdout.splitlines()[-1])
     assert outcome["lost"] == [] and outcome["error_count"] == 0 and outcome["turns"] > 0, report
+    assert outcome["orm_error_count"] == 0 and outcome["rows"] > 0, report
