@@ -23,7 +23,7 @@ WAIT = 2.0
 WAIT_GRACE = 1.0
 
 
-@pytest.mark.parametrize("key", [key if key in ("database", "zookeeper") else pytest.param(key, marks=long_only)
+@pytest.mark.parametrize("key", [key if key == "database" else pytest.param(key, marks=long_only)
                                  for key in TARGETS])
 def test_wall_clock_jumps_change_nothing(key, fault_run, safety):
     target = TARGETS[key]
