@@ -1,17 +1,32 @@
 """The watchdog that keeps a lease alive while held, and stops at ``max_hold``."""
 
 import logging
+import os
 import threading
 import time
 import weakref
 
+from distlock.backends.green import Daemon
 from distlock.exceptions import BackendUnavailable
 
 logger = logging.getLogger("distlock.renewal")
 
+#: Every renewer of this process that was started, for the fork hook (``_after_fork_in_child``).
+_RENEWERS = weakref.WeakSet()
+
+
+def _after_fork_in_child():
+    """Stop the parent's renewals in a forked child: the leases are the parent's (under gevent its greenlets run on)."""
+    for renewer in list(_RENEWERS):
+        renewer._stopped.set()  # first: an ended renewal must not mark its lease lost
+        renewer._thread.end_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 class Renewer:
-    """Extend a lease every ``ttl / 3`` seconds from a daemon thread until it is released.
+    """Extend a lease every ``ttl / 3`` seconds from a daemon thread (a greenlet under gevent) until it is released.
 
     The thread holds only a weak reference to the lease, so a lease dropped without release stops its
     own renewal and then expires on the server. Renewal stops, and the lock is released and the lease
@@ -26,7 +41,7 @@ class Renewer:
     #: Fraction of the ttl between two extensions.
     interval_ratio = 1 / 3
 
-    def __init__(self, lease, *, max_hold=None, clock=time.monotonic, thread_class=threading.Thread):
+    def __init__(self, lease, *, max_hold=None, clock=time.monotonic):
         self._lease_ref = weakref.ref(lease)
         self._ttl = lease.ttl
         self._interval = lease.ttl * self.interval_ratio
@@ -37,10 +52,11 @@ class Renewer:
         # extension past the lease's validity.
         self._due = lease._started + self._interval
         self._stopped = threading.Event()
-        self._thread = thread_class(target=self._run, name=f"distlock-renew:{lease.name[:40]}", daemon=True)
+        self._thread = Daemon(self._run, name=f"distlock-renew:{lease.name[:40]}")
 
     def start(self):
         """Start the thread (once). A renewer cancelled before, or while, it starts never extends."""
+        _RENEWERS.add(self)
         self._thread.start()
 
     def cancel(self):
@@ -50,7 +66,7 @@ class Renewer:
     def stop(self):
         """Stop renewing; join the thread unless called from it."""
         self._stopped.set()
-        if threading.current_thread() is not self._thread and self._thread.is_alive():
+        if not self._thread.is_current() and self._thread.is_alive():
             self._thread.join()
 
     @property

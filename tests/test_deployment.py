@@ -23,11 +23,8 @@ pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
 MATRIX = os.environ.get("DISTLOCK_MATRIX") == "1"
 matrix_only = pytest.mark.skipif(not MATRIX, reason="part of `make matrix`, not of `make test`")
-#: Still failing on etcd (issue 25 is open: the etcd backend refuses eventlet, which this test does not
-#: expect yet; the fork in a gevent process): run by `make matrix`, kept out of `make test` until fixed.
 #: Slices that `make test` leaves to `make matrix` to stay within its time budget.
 matrix_slice = pytest.mark.skipif(not MATRIX, reason="left to `make matrix` (make test's time budget)")
-open_on_etcd = pytest.mark.skipif(not MATRIX, reason="fails on etcd today (issue 25); run by `make matrix`")
 
 #: Seconds of load per gunicorn run: ≥ 20 s for the regression tests, less per cell of the matrix.
 SITE_SECONDS = 20
@@ -164,11 +161,11 @@ def test_celery_pool_matrix(record, pool, alias):
 
 # -- fork in a gevent-patched process ---------------------------------------------------------------
 
-@open_on_etcd
 @pytest.mark.slow
 def test_fork_after_zookeeper_and_etcd_locks_in_a_gevent_process():
     """Children forked after locks on both aliases work, and so does the parent, with the lease it held across
-    the forks (was: the parent's kazoo loop read its socket in each child, the parent's next lock failed)."""
+    the forks; no child renews or holds the parent's leases (was: the parent's kazoo loop read its socket in
+    each child, the parent's next lock failed; a child hung in its first etcd channel)."""
     require("zookeeper", "etcd")
     process = subprocess.run([sys.executable, "-m", "tests.deployment.fork_gevent", f"fork:{uuid.uuid4().hex[:8]}"],
                              capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=180, check=False)
@@ -178,6 +175,8 @@ def test_fork_after_zookeeper_and_etcd_locks_in_a_gevent_process():
     parent = [line for line in lines if "parent" in line]
     assert process.returncode == 0 and len(children) == 3 and len(parent) == 1, report
     assert all(not child["errors"] for child in children), report
+    inherited = {"renewing": False, "check": "LockLost"}
+    assert all(child["inherited"] == {"zookeeper": inherited, "etcd": inherited} for child in children), report
     assert not any("parent_round" in line for line in lines), report
     assert parent[0]["exits"] == [0, 0, 0] and parent[0]["unfinished"] == 0, report
     assert parent[0]["held_checks"] == {"zookeeper": "ok", "etcd": "ok"} and not parent[0]["errors"], report

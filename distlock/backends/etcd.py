@@ -19,12 +19,13 @@ import grpc
 from django.core.exceptions import ImproperlyConfigured
 from etcd3 import etcdrpc
 from google.protobuf.message import DecodeError
+from grpc._cython import cygrpc
 
 from distlock.backends.base import (
     NOTIFICATIONS, SAFE_FENCING_TOKENS, BaseLockBackend, Grant, LockInfo, Option, positive_number,
     refuse_after_late_grants,
 )
-from distlock.backends.green import green_library
+from distlock.backends.green import Daemon, green_library, killed
 from distlock.backends.offload import Abandoned, Offloader
 from distlock.exceptions import BackendUnavailable, LockNotAcquired
 from distlock.holder import holder_record, new_owner
@@ -260,13 +261,19 @@ class _Service:
 
 #: True once this module opened a gRPC channel in this process (see ``_prepare_for_green_threads``).
 _channels_opened = False
+#: Keeps gRPC initialized from the first channel on (a completion queue holds a reference, as a channel
+#: does). Without it, closing the last channel, as ``_before_fork`` does, shuts gRPC down on a thread of its
+#: own, and a child forked while that thread holds gRPC's init lock hangs in its first channel.
+_grpc_reference = None
 
 
 class _Channel:
     """One endpoint: its gRPC channel and the methods of etcd's API (python3-etcd3's generated messages)."""
 
     def __init__(self, address, security):
-        global _channels_opened  # noqa: PLW0603 - one flag per process
+        global _channels_opened, _grpc_reference  # noqa: PLW0603 - once per process
+        if _grpc_reference is None:
+            _grpc_reference = cygrpc.CompletionQueue()
         _channels_opened = True
         self.address = address
         if security.tls:
@@ -619,6 +626,21 @@ def _managed_calls(channel):
 def _before_fork():
     for connection in list(_CONNECTIONS):
         connection._before_fork()
+    if _CONNECTIONS and _gevent_activated():
+        _wait_for_grpc_greenlets()
+
+
+def _wait_for_grpc_greenlets():
+    """Under gevent, wait for gRPC's greenlet that takes completions from its C threads to end.
+
+    It waits for them on a thread of gevent's pool, in a C++ mutex of gRPC's: a child forked while that
+    thread held it finds it locked forever, and hangs in its first channel. It ends once the last
+    channel is closed, as ``_before_fork`` just did.
+    """
+    greenlets = getattr(cygrpc, "g_gevent_pool", None)  # gRPC's own group of those greenlets
+    if greenlets is not None and not greenlets.join(timeout=FORK_QUIESCE_SECONDS):
+        logger.warning("gRPC's gevent greenlet still ran when fork() went ahead after %.1fs (another gRPC channel "
+                       "of this process is open?): the child may hang in its first etcd call", FORK_QUIESCE_SECONDS)
 
 
 def _after_fork_in_parent():
@@ -796,9 +818,7 @@ def _uses_tls(options):
 
 
 def _gevent_activated():
-    from grpc._cython import cygrpc  # noqa: PLC0415 - gRPC's own flag, set by init_gevent()
-
-    return bool(getattr(cygrpc, "g_gevent_activated", False))
+    return bool(getattr(cygrpc, "g_gevent_activated", False))  # gRPC's own flag, set by init_gevent()
 
 
 def _green_problem(alias):
@@ -947,12 +967,12 @@ class EtcdBackend(BaseLockBackend):
     def _after_fork_in_child(self):
         """Forget the parent's session in a forked child: its keys are the parent's; this process gets its own.
 
-        The parent's threads do not exist here (a greenlet of a gevent process does: it is told to stop).
+        The parent's threads do not exist here; under gevent its greenlets do, and its keeper is ended.
         Its leases stay the parent's: releasing or extending one here does nothing.
         """
-        if self._keeper_stop is not None:
+        if self._keeper is not None:
             self._keeper_stop.set()
-            self._keeper_wake.set()
+            self._keeper.end_in_child()
         self._lock = threading.Lock()
         self._session_grant_lock = threading.Lock()
         self._session = None
@@ -1221,7 +1241,8 @@ class EtcdBackend(BaseLockBackend):
                 logger.exception("Reporting the loss of lock %r (alias %r) raised; the other leases are still "
                                  "reported.", lease.name, self.alias)
                 pending = pending or exc
-        if pending is not None and threading.current_thread() is not self._keeper:
+        keeper = self._keeper
+        if pending is not None and (keeper is None or not keeper.is_current()):
             raise pending
 
     # -- the per-call ttl ------------------------------------------------------------------------
@@ -1287,9 +1308,8 @@ class EtcdBackend(BaseLockBackend):
                 self._keeper_wake.set()
                 return
             self._keeper_wake, self._keeper_stop = threading.Event(), threading.Event()
-            self._keeper = threading.Thread(
-                target=_run_keeper, args=(weakref.ref(self), self._keeper_wake, self._keeper_stop),
-                name=f"distlock-etcd-keeper:{self.alias}", daemon=True)
+            self._keeper = Daemon(_run_keeper, weakref.ref(self), self._keeper_wake, self._keeper_stop,
+                                  name=f"distlock-etcd-keeper:{self.alias}")
             self._keeper.start()
 
     def _wake_keeper(self):
@@ -1492,7 +1512,7 @@ class EtcdBackend(BaseLockBackend):
         if keeper is not None:
             stop.set()
             wake.set()
-            if keeper is not threading.current_thread():
+            if not keeper.is_current():
                 keeper.join()
         with self._lock:
             session = self._session
@@ -1521,8 +1541,8 @@ def _run_keeper(backend_ref, wake, stop):
         try:
             wait = backend._keep()
         except BaseException as exc:  # noqa: BLE001 - the thread that keeps the session alive must outlive anything
-            if type(exc).__name__ == "GreenletExit":
-                raise  # the greenlet was killed on purpose
+            if killed(exc):
+                raise  # the greenlet was ended on purpose (a forked child)
             logger.exception("etcd background work failed; retrying")
             wait = 0.5
         del backend

@@ -62,7 +62,7 @@ from distlock.backends.base import (
     positive_number,
     refuse_after_late_grants,
 )
-from distlock.backends.green import green_library
+from distlock.backends.green import Daemon, green_library, killed
 from distlock.backends.offload import Abandoned, Offloader
 from distlock.exceptions import BackendUnavailable, LockNotAcquired
 from distlock.holder import holder_record, new_owner
@@ -563,9 +563,9 @@ class _Contender:
 class _ExpiryTimer:
     """Delete holders' znodes when their ttl runs out: ZooKeeper itself knows only sessions.
 
-    One daemon thread per kazoo client, waiting on a condition for the earliest deadline (monotonic);
-    an extension moves a deadline (a shorter ttl, earlier), a release cancels it. ``expire`` must not
-    block.
+    One daemon thread (a greenlet under gevent) per kazoo client, waiting on a condition for the
+    earliest deadline (monotonic); an extension moves a deadline (a shorter ttl, earlier), a release
+    cancels it. ``expire`` must not block.
     """
 
     def __init__(self, expire, name):
@@ -574,7 +574,7 @@ class _ExpiryTimer:
         self._heap = []  # (deadline, path); entries whose deadline moved are skipped when they surface
         self._changed = threading.Condition()
         self._stopped = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = Daemon(self._run, name=name)
         self._thread.start()
 
     def schedule(self, path, deadline):
@@ -611,8 +611,12 @@ class _ExpiryTimer:
         with self._changed:
             self._stopped = True
             self._changed.notify()
-        if threading.current_thread() is not self._thread:
+        if not self._thread.is_current():
             self._thread.join()
+
+    def end_in_child(self):
+        """In a forked child: end the parent's greenlet, which would delete the parent's znodes."""
+        self._thread.end_in_child()
 
     def _due(self):
         """Pop and return the paths whose deadline passed; the caller holds the condition."""
@@ -637,8 +641,32 @@ class _ExpiryTimer:
             for path in due:
                 try:
                     self._expire(path)
-                except BaseException:  # noqa: BLE001 - the timer must outlive any one failure
+                except BaseException as exc:  # noqa: BLE001 - the timer must outlive any one failure
+                    if killed(exc):
+                        raise  # ended on purpose (a forked child)
                     logger.exception("Deleting the expired znode %s failed; the timer carries on.", path)
+
+
+def _detach(sock):
+    """Point this process's descriptor of ``sock`` at /dev/null: the connection stays the parent's, out of reach."""
+    if sock is not None and sock.fileno() >= 0:
+        devnull = os.open(os.devnull, os.O_RDWR)
+        try:
+            os.dup2(devnull, sock.fileno())
+        finally:
+            os.close(devnull)
+
+
+#: Every live backend of this process, for the fork hook (``_after_fork_in_child``).
+_BACKENDS = weakref.WeakSet()
+
+
+def _after_fork_in_child():
+    for backend in list(_BACKENDS):
+        backend._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class ZooKeeperBackend(BaseLockBackend):
@@ -762,6 +790,7 @@ class ZooKeeperBackend(BaseLockBackend):
         #: "gevent" or "eventlet" if this process is monkey-patched by it: kazoo gets that library's handler.
         self._green = green_library()
         self._offload = Offloader(alias, f"distlock-zk-runner:{alias}", self._green)
+        _BACKENDS.add(self)
 
     # -- the client and its connection states ------------------------------------------------------
 
@@ -802,13 +831,43 @@ class ZooKeeperBackend(BaseLockBackend):
                 # A C SimpleQueue would block the whole hub of a green process in the state thread's get().
                 self._states = handler.queue_impl() if self._green else queue.SimpleQueue()
                 self._queue_empty = handler.queue_empty if self._green else queue.Empty
-                self._state_thread = threading.Thread(target=self._follow_states, args=(client, self._states),
-                                                      name=f"distlock-zk-states:{self.alias}", daemon=True)
+                self._state_thread = Daemon(self._follow_states, client, self._states,
+                                            name=f"distlock-zk-states:{self.alias}")
                 self._state_thread.start()
                 client.add_listener(self._on_state)
                 client.start_async()
                 self._client = client
             return self._client
+
+    def _after_fork_in_child(self):
+        """Leave the parent's session to the parent: a forked child opens its own at its first call.
+
+        The parent's threads do not exist here; under gevent its greenlets do, kazoo's among them, which
+        would read the parent's replies and ping on its socket: they are ended, and the parent's sockets
+        are detached first, against a greenlet woken before the fork that runs before its end. Never
+        takes the old locks (a thread of the parent may have held one). The parent's leases fail
+        ``check()`` here, and releasing or extending one does nothing.
+        """
+        client, self._client = self._client, None
+        self._client_lock = threading.Lock()
+        self._registry_lock = threading.Lock()
+        self._connected = threading.Event()
+        self._session_epoch += 1
+        self._held = weakref.WeakValueDictionary()
+        self._waiters, self._litter, self._crowded_parents = set(), set(), {}
+        if client is None:
+            return
+        client.remove_listener(self._on_state)
+        if self._green == "gevent":
+            connection = client._connection
+            for sock in (connection._socket, connection._read_sock, connection._write_sock):
+                _detach(sock)
+            for greenlet in (connection._connection_routine, *client.handler._workers):
+                if greenlet is not None:
+                    greenlet.kill(block=False)
+        self._expiry.end_in_child()
+        self._state_thread.end_in_child()
+        self._expiry = self._states = self._state_thread = None
 
     @property
     def session_timeout(self):
@@ -906,7 +965,9 @@ class ZooKeeperBackend(BaseLockBackend):
                     suspended_since = None
                     self._revalidate(client)
                     self._sweep_litter(client)
-            except BaseException:  # noqa: BLE001 - loss detection must outlive any one failure
+            except BaseException as exc:  # noqa: BLE001 - loss detection must outlive any one failure
+                if killed(exc):
+                    raise  # ended on purpose (a forked child)
                 logger.exception("Following the ZooKeeper connection state of alias %r raised; carrying on.",
                                  self.alias)
 
@@ -1406,6 +1467,8 @@ class ZooKeeperBackend(BaseLockBackend):
         return self._call(lambda job: self._extend(lease, ttl))
 
     def _extend(self, lease, ttl):
+        if self._lease_epochs.get(lease) != self._session_epoch:
+            return False  # its session ended, or it is the parent's (a forked child)
         with self._translate_errors(f"extending lock {lease.name!r}"):
             io_deadline = self._io_deadline(None)
             client = self._session(io_deadline)
@@ -1551,7 +1614,7 @@ class ZooKeeperBackend(BaseLockBackend):
             state_thread = self._call(lambda job: self._close())
         finally:
             self._offload.stop()
-        if state_thread is not None and threading.current_thread() is not state_thread:
+        if state_thread is not None and not state_thread.is_current():
             state_thread.join()
 
     def _close(self):

@@ -27,6 +27,7 @@ from operator import truediv
 from django.core.signals import setting_changed
 from django.db import connections
 
+from distlock.backends.green import Daemon
 from distlock.metrics import conf, prometheus, series
 
 logger = logging.getLogger("distlock.metrics")
@@ -338,7 +339,8 @@ class Recorder:
         Warns once ``WARN_AFTER_FAILURES`` flushes in a row have failed, then at most every
         ``WARN_EVERY`` seconds: a database outage must show in the log, but not fill it.
         """
-        if not self._flush_lock.acquire(timeout=-1 if wait is None else wait):
+        flush_lock = self._flush_lock  # the one released below, even if a fork replaced it meanwhile
+        if not flush_lock.acquire(timeout=-1 if wait is None else wait):
             logger.log(level, "Lock metrics not flushed: another flush was still running after %ss.", wait)
             return
         try:
@@ -357,14 +359,14 @@ class Recorder:
                        "keeping them and retrying every flush. Run `manage.py migrate distlock` if the table "
                        "is missing.", conf.get().database, self._failures, exc_info=True)
         finally:
-            self._flush_lock.release()
+            flush_lock.release()
 
     def _start(self):
         with self._lock:
             if self._thread is not None:
                 return
             self._stopped = threading.Event()
-            self._thread = threading.Thread(target=self._run, name="distlock-metrics", daemon=True)
+            self._thread = Daemon(self._run, name="distlock-metrics")
         # Flush at exit: atexit for ordinary interpreters, multiprocessing's finalizers for its forked
         # children, which leave through os._exit() and skip atexit. The second call finds nothing left.
         atexit.register(self._flush_at_exit)
@@ -392,6 +394,10 @@ class Recorder:
     def _forget_after_fork(self):
         # The parent flushes its own counts; a lock held by one of its threads during fork() would
         # never be released here. The next event reads ENABLED again and starts this process's thread.
+        # Under gevent the parent's greenlet runs on here: it is ended.
+        if self._thread is not None:
+            self._stopped.set()
+            self._thread.end_in_child()
         self._acquisitions, self._releases, self._events = [], [], []
         self._recording = None
         self._pending = Counter()

@@ -1,9 +1,10 @@
 """A fork in a gevent-patched process after ZooKeeper and etcd locks: ``python -m tests.deployment.fork_gevent PREFIX``.
 
 As gunicorn ``-k gevent --preload`` does: the process is monkey-patched, takes a lock on each alias
-(and keeps one held across the forks), then forks ``FORKS`` children. Each child takes and gives back
-locks on both aliases while the parent does the same; then the parent checks its held leases and
-takes more locks. Prints JSON lines: one per child (``child``), then the parent's (``parent``).
+(and keeps one held across the forks, auto-renewed), then forks ``FORKS`` children. Each child takes
+and gives back locks on both aliases while the parent does the same, and reports what it makes of the
+parent's held leases (renewed there? valid there?); then the parent checks its held leases and takes
+more locks. Prints JSON lines: one per child (``child``), then the parent's (``parent``).
 Anything either process wrote to stderr (a client thread of the parent running in a child and
 reading its socket, a metrics thread raising) is the test's to read.
 """
@@ -32,6 +33,19 @@ def work(distlock, prefix, who):
     return errors
 
 
+def inherited(held):
+    """Return, per alias, whether the parent's held lease is renewed here and how its ``check()`` ends here."""
+    report = {}
+    for alias, lease in held.items():
+        try:
+            lease.check()
+            verdict = "ok"
+        except Exception as exc:  # noqa: BLE001 - reported, and the test fails on any but LockLost
+            verdict = type(exc).__name__
+        report[alias] = {"renewing": lease._renewer.running, "check": verdict}
+    return report
+
+
 def main(prefix):
     from gevent import monkey
 
@@ -41,7 +55,8 @@ def main(prefix):
     django.setup()
     import distlock
 
-    held = {alias: distlock.acquire(f"{prefix}:held:{alias}", ttl=3, timeout=10, using=alias) for alias in ALIASES}
+    held = {alias: distlock.acquire(f"{prefix}:held:{alias}", ttl=3, timeout=10, using=alias, auto_renew=True)
+            for alias in ALIASES}
     for alias in ALIASES:
         distlock.acquire(f"{prefix}:before:{alias}", ttl=5, timeout=10, using=alias).release()
 
@@ -52,7 +67,8 @@ def main(prefix):
             code = 0
             try:
                 errors = work(distlock, prefix, f"child{number}")
-                print(json.dumps({"child": number, "pid": os.getpid(), "errors": errors}), flush=True)
+                print(json.dumps({"child": number, "pid": os.getpid(), "errors": errors,
+                                  "inherited": inherited(held)}), flush=True)
                 distlock.locks.close_all()
             except BaseException:  # noqa: BLE001 - the child must never return into the parent's code
                 print(json.dumps({"child": number, "pid": os.getpid(), "errors": [traceback.format_exc()]}),
@@ -75,7 +91,7 @@ def main(prefix):
                 if done:
                     exits[pid] = os.waitstatus_to_exitcode(status)
         time.sleep(0.05)
-    # The held leases outlived the forks and several ttls of the parent's work: renewal kept them.
+    # The held leases outlived the forks and the parent's work: the parent's renewal kept them.
     checks = {}
     for alias, lease in held.items():
         try:
