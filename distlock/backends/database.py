@@ -42,6 +42,7 @@ from distlock.backends.base import (
     positive_count,
     positive_number,
 )
+from distlock.backends.green import green_library
 from distlock.exceptions import BackendUnavailable, LockWouldDeadlock
 from distlock.holder import current_holder
 from distlock.waiting import mailbox
@@ -568,6 +569,9 @@ class DatabaseBackend(BaseLockBackend):
         self.vendor = _engine_vendor(settings.DATABASES[self.database]["ENGINE"])
         self._dialect = DIALECTS[self.vendor]()
         self._pool = _ConnectionPool(self._new_connection, self.settings["MAX_CONNECTIONS"])
+        #: SQLite's calls are C calls that never yield to a gevent or eventlet hub: each call yields first, so
+        #: a loop of lock calls still lets timers (a time limit), renewals and other green threads run.
+        self._yields = self.vendor == "sqlite" and green_library() is not None
         #: (name, keeper connection) of the lock rows' own in-memory database, if any (``_memory_database``).
         self._memory = None
         self._memory_lock = threading.Lock()
@@ -677,6 +681,8 @@ class DatabaseBackend(BaseLockBackend):
         cut) is replaced and the call retried once: every step is safe to repeat for its owner.
         ``urgent`` calls (release, extend) go ahead of the others waiting for a connection.
         """
+        if self._yields:
+            time.sleep(0)  # patched: a switch to the hub
         bound = self._call_bound(deadline)
         ends = time.monotonic() + bound
         configured_options = settings.DATABASES[self.database].get("OPTIONS", {})

@@ -647,3 +647,14 @@ def test_auto_renewed_leases_on_django_s_in_memory_sqlite_test_database_lose_not
     outcome = json.loads(process.stdout.splitlines()[-1])
     assert outcome["lost"] == [] and outcome["error_count"] == 0 and outcome["turns"] > 0, report
     assert outcome["orm_error_count"] == 0 and outcome["rows"] > 0, report
+
+
+@pytest.mark.parametrize("library", ["gevent", "eventlet"])
+def test_sqlite_lock_calls_in_a_loop_let_other_green_threads_run(library):
+    """SQLite's calls never yield to the hub: a green thread try-locking in a loop starved every other one, a
+    time limit's timer and renewals included (was: no tick of the other green thread until the loop ended)."""
+    process = subprocess.run([sys.executable, "-m", "tests.green_sqlite_loop", library], capture_output=True,
+                             text=True, env=child_env(), cwd=ROOT, timeout=120, check=False)
+    assert process.returncode == 0, process.stderr[-4000:]
+    report = json.loads(process.stdout.splitlines()[-1])
+    assert report["calls"] > 0 and report["ticks_while_looping"] >= 20, report
