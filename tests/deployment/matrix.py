@@ -36,7 +36,7 @@ def celery_table(rows):
              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         long = row.get("long_run") or {}
-        kept = "kept" if long.get("lost") is False else ("lost" if long else "–")
+        kept = "refused" if row.get("refused") else "kept" if long.get("lost") is False else ("lost" if long else "–")
         lines.append(f"| {row['pool']} (-c {row['concurrency']}) | {LABELS[row['alias']]} | {row['runs']} "
                      f"| {len(row['errors'])} | {row['overlaps']} | {len(row['held_after'])} | {kept} "
                      f"| {row['most_connections'] if row['most_connections'] is not None else '–'} "
