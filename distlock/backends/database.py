@@ -43,6 +43,7 @@ from distlock.backends.base import (
     positive_number,
 )
 from distlock.backends.green import green_library
+from distlock.conf import is_shared_memory_database
 from distlock.exceptions import BackendUnavailable, LockWouldDeadlock
 from distlock.holder import current_holder
 from distlock.waiting import mailbox
@@ -532,11 +533,6 @@ def _table_locked(exc):
     return getattr(exc.__cause__, "sqlite_errorname", "").startswith("SQLITE_LOCKED")
 
 
-def _is_shared_memory_database(name):
-    """True for an in-memory SQLite database with a shared cache (Django's SQLite test database)."""
-    return "mode=memory" in name and "cache=shared" in name
-
-
 def _is_private_memory_database(name):
     """True for an SQLite database only its own connection can see (":memory:", or no shared cache)."""
     name = str(name)
@@ -568,7 +564,12 @@ class DatabaseBackend(BaseLockBackend):
         self.database = lock_database(self.settings)
         self.vendor = _engine_vendor(settings.DATABASES[self.database]["ENGINE"])
         self._dialect = DIALECTS[self.vendor]()
-        self._pool = _ConnectionPool(self._new_connection, self.settings["MAX_CONNECTIONS"])
+        # On Django's in-memory test database the lock rows get an in-memory database of their own
+        # (``_memory_database``), whose shared cache lets one connection write at a time: calls take
+        # turns on one connection, in the pool's order (release and extend first), instead of racing
+        # for table locks, which a renewal could lose past its ttl.
+        self._pool = _ConnectionPool(self._new_connection,
+                                     1 if is_shared_memory_database(self.database) else self.settings["MAX_CONNECTIONS"])
         #: SQLite's calls are C calls that never yield to a gevent or eventlet hub: each call yields first, so
         #: a loop of lock calls still lets timers (a time limit), renewals and other green threads run.
         self._yields = self.vendor == "sqlite" and green_library() is not None
@@ -620,7 +621,7 @@ class DatabaseBackend(BaseLockBackend):
         # Django keeps one pool per alias, shared with the ORM; this connection is the backend's own.
         entry["OPTIONS"].pop("pool", None)
         entry["AUTOCOMMIT"] = True
-        if self.vendor == "sqlite" and _is_shared_memory_database(str(entry["NAME"])):
+        if is_shared_memory_database(self.database):
             entry["NAME"] = self._memory_database(entry)
         wrapper = load_backend(entry["ENGINE"]).DatabaseWrapper(entry, self.database)
         # Whichever thread checks it out next uses it (one at a time), and may close it.
@@ -747,9 +748,9 @@ class DatabaseBackend(BaseLockBackend):
         """
         if self.vendor != "sqlite":
             return
-        database_name = str(settings.DATABASES[self.database]["NAME"])
-        if _is_shared_memory_database(database_name):
+        if is_shared_memory_database(self.database):
             return  # the lock rows live in an in-memory database of their own (``_memory_database``)
+        database_name = str(settings.DATABASES[self.database]["NAME"])
         for connection in connections.all(initialized_only=True):
             if (connection.vendor == "sqlite" and str(connection.settings_dict["NAME"]) == database_name
                     and connection.connection is not None and connection.connection.in_transaction):
