@@ -65,7 +65,7 @@ def raw_floor(url, ttl=30):
     """The floor's two commands over distlock's connection layer instead of ``redis.Redis``."""
     import redis  # noqa: PLC0415
 
-    from distlock.backends.redis import _Connections, _pack  # noqa: PLC0415 - measuring the backend's I/O path
+    from distlock.backends.redis import _Connections  # noqa: PLC0415 - measuring the backend's I/O path
 
     connections = _Connections(redis.ConnectionPool.from_url(url), owned=True)
     unlock_sha = redis.Redis.from_url(url).script_load(UNLOCK_SCRIPT)
@@ -73,13 +73,13 @@ def raw_floor(url, ttl=30):
 
     def acquire(name):
         key, value = f"bench-raw-floor:{name}", secrets.token_hex(16)
-        if connections.call(_pack(("SET", key, value, "NX", "PX", ttl_ms)), None) is None:
+        if connections.exchange([("SET", key, value, "NX", "PX", ttl_ms)], None) == [None]:
             raise RuntimeError("the floor does not wait: use it uncontended only")
         return key, value
 
     def release(handle):
         key, value = handle
-        connections.call(_pack(("EVALSHA", unlock_sha, 1, key, value)), None)
+        connections.exchange([("EVALSHA", unlock_sha, 1, key, value)], None)
 
     return Contender(acquire, release)
 

@@ -147,9 +147,10 @@ def run(*, seconds=0.25, rounds=20, contended_seconds=2.0, contended_rounds=3):
     if not aliases:
         print("\nZooKeeper baselines: no DISTLOCK alias uses ZooKeeperBackend; skipped.")
         return
+    from distlock.handler import locks  # noqa: PLC0415
+
     alias = aliases[0]
-    options = settings.DISTLOCK[alias]["OPTIONS"]
-    hosts, root = options["HOSTS"], options.get("ROOT", "/distlock")
+    hosts, root = locks[alias].settings["HOSTS"], locks[alias].settings["KEY_PREFIX"]
     here = "bench.zookeeper_baselines"
     api = ContenderSpec(f"distlock '{alias}' (public API)", "bench.harness.alias_contender", {"alias": alias})
     backend = ContenderSpec(f"distlock '{alias}' (backend only)", "bench.harness.backend_contender", {"alias": alias})

@@ -9,6 +9,7 @@ from distlock.exceptions import (
     LockNotAcquired,
     LockSuspended,
     LockWouldDeadlock,
+    NotSupported,
     StaleFencingToken,
     UnsafeFencingToken,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "LockNotAcquired",
     "LockSuspended",
     "LockWouldDeadlock",
+    "NotSupported",
     "StaleFencingToken",
     "UnsafeFencingToken",
     "acquire",

@@ -28,6 +28,17 @@ from distlock.metrics import report
 from distlock.models import FencingRejection, Lock
 from distlock.redaction import redact
 
+__all__ = [
+    "CHART_MINUTES",
+    "FORCE_RELEASE_PERMISSION",
+    "FencingRejectionAdmin",
+    "HeldLocksAdmin",
+    "METRIC_COLUMNS",
+    "RECENT_REJECTIONS",
+    "ROWS_PER_ALIAS",
+    "ReadOnlyAdmin",
+]
+
 #: The permission the force-release control and its views require.
 FORCE_RELEASE_PERMISSION = "distlock.force_release_lock"
 #: Fencing rejections listed on the page.

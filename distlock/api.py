@@ -9,11 +9,12 @@ from distlock.backends.base import READ_WRITE
 from distlock.conf import DEFAULT_ALIAS
 from distlock.exceptions import BackendUnavailable, LockNotAcquired
 from distlock.handler import locks
-from distlock.renewal import Renewer
 from distlock.signals import lock_acquired, send_robustly
 from distlock.validation import validate_alias, validate_flag, validate_name, validate_seconds
 
-logger = logging.getLogger("distlock.api")
+__all__ = ["acquire", "lock", "read_lock", "write_lock"]
+
+logger = logging.getLogger(__name__)
 
 
 def acquire(name, ttl=None, timeout=None, blocking=True, using=DEFAULT_ALIAS, auto_renew=None, max_hold=None,
@@ -38,11 +39,8 @@ def acquire(name, ttl=None, timeout=None, blocking=True, using=DEFAULT_ALIAS, au
     validate_flag("blocking", blocking)
     validate_flag("auto_renew", auto_renew, allow_none=True)
     backend = locks[using]
-    if mode is not None and READ_WRITE not in backend.capabilities:
-        raise NotImplementedError(
-            f"{type(backend).__name__} (alias '{using}') does not support read/write locks; "
-            "use an alias whose backend does (ZooKeeper)."
-        )
+    if mode is not None:
+        backend.require(READ_WRITE, "read/write locks (read_lock(), write_lock())")
     settings = backend.settings
     ttl = settings["DEFAULT_TTL"] if ttl is None else ttl
     auto_renew = settings["AUTO_RENEW"] if auto_renew is None else auto_renew
@@ -56,10 +54,11 @@ def acquire(name, ttl=None, timeout=None, blocking=True, using=DEFAULT_ALIAS, au
 
     started = time.monotonic()
     try:
+        how = dict(ttl=ttl, timeout=timeout, blocking=blocking, auto_renew=auto_renew, max_hold=max_hold)
         if mode is None:
-            lease = backend.acquire(name, ttl=ttl, timeout=timeout, blocking=blocking)
+            lease = backend.acquire(name, **how)
         else:
-            lease = backend.acquire_shared(name, mode, ttl=ttl, timeout=timeout, blocking=blocking)
+            lease = backend.acquire_shared(name, mode, **how)
     except LockNotAcquired:
         metrics.record_acquire(using, name, ttl, time.monotonic() - started, "timeout" if blocking else "busy")
         raise
@@ -80,16 +79,13 @@ def acquire(name, ttl=None, timeout=None, blocking=True, using=DEFAULT_ALIAS, au
     # (1) to (3) either no renewer runs, or the lease is referenced by no frame and its renewer, which
     # holds it weakly, ends at its next wake-up; in (4) the renewal is cancelled first. Either way
     # nothing renews the lock and the server frees it at its ttl, or with the session.
-    renewer = None
     announced = False
     try:
         metrics.record_acquire(using, name, ttl, time.monotonic() - started, "acquired", lease)
-        if auto_renew:
-            renewer = lease._renewer = Renewer(lease, max_hold=max_hold)
         announced = True
         send_robustly(lock_acquired, "lock_acquired", sender=type(backend), alias=using, lease=lease)
-        if renewer is not None:
-            renewer.start()
+        if lease.renewer is not None:
+            lease.renewer.start()
     except BaseException:
         _give_back(lease, announced)
         raise
@@ -102,7 +98,7 @@ def _give_back(lease, announced):
     Its renewal is cancelled first (one flag, nothing that can block), then the lock is deleted. An
     error while giving back is logged, not raised: the exception the caller sees is the original one.
     """
-    renewer = lease._renewer
+    renewer = lease.renewer
     if renewer is not None:
         renewer.cancel()
     try:
@@ -167,7 +163,8 @@ class lock:  # noqa: N801 - used like a function: ``with lock(...)`` and ``@lock
 class read_lock(lock):  # noqa: N801
     """Like ``lock()``, shared: readers hold it together and wait only for earlier writers.
 
-    Backends without the ``read_write`` capability raise ``NotImplementedError`` naming themselves.
+    Backends without the ``read_write`` capability raise ``NotSupported`` (a ``NotImplementedError``)
+    naming themselves and the backends that have it.
     """
 
     _mode = "read"

@@ -3,6 +3,8 @@
 from django.apps import AppConfig
 from django.utils.translation import gettext_lazy as _
 
+__all__ = ["DistlockConfig"]
+
 
 class DistlockConfig(AppConfig):
     name = "distlock"

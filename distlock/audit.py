@@ -17,7 +17,19 @@ from distlock import inventory
 from distlock.handler import locks
 from distlock.redaction import redact
 
-logger = logging.getLogger("distlock.audit")
+__all__ = [
+    "Attempt",
+    "ERROR",
+    "NOT_HELD",
+    "OUTCOMES",
+    "OWNER_CHANGED",
+    "READ_ERROR",
+    "RELEASED",
+    "force_release",
+    "record",
+]
+
+logger = logging.getLogger(__name__)
 
 # django.contrib.admin.models.CHANGE and DELETION: that module cannot be imported without the admin app.
 _CHANGE, _DELETION = 2, 3
@@ -84,7 +96,7 @@ def force_release(alias, name, owner=None, *, actor, user=None):
         elif owner is not None and info.owner != owner:
             outcome = OWNER_CHANGED
         else:
-            outcome = RELEASED if locks[alias].force_release(name, info.owner) else OWNER_CHANGED
+            outcome = RELEASED if locks[alias].release_owned(name, info.owner) else OWNER_CHANGED
     except Exception as exc:  # noqa: BLE001 - recorded in the attempt, reported by the caller
         # A failed read released nothing; a failed release may or may not have reached the server.
         outcome, error = (ERROR if info is not None else READ_ERROR), redact(f"{type(exc).__name__}: {exc}")

@@ -47,7 +47,21 @@ from distlock.holder import current_task_id
 from distlock.signals import task_skipped
 from distlock.validation import validate_alias, validate_flag, validate_seconds
 
-logger = logging.getLogger("distlock.celery")
+__all__ = [
+    "AlreadyQueued",
+    "CONFLICT_OUTCOMES",
+    "FATAL_SIGNALS",
+    "ON_CONFLICT_CHOICES",
+    "QUEUED_HEADER",
+    "QUEUED_HEADER_SALT",
+    "SingleInstanceRequest",
+    "SingleInstanceTask",
+    "check_options",
+    "release_after_revoke",
+    "single_instance_task",
+]
+
+logger = logging.getLogger(__name__)
 
 ON_CONFLICT_CHOICES = ("skip", "retry", "raise")
 
@@ -237,7 +251,7 @@ class SingleInstanceTask(DjangoTask):
                                "(host %s, pid %s) that may still be running", self.name, task_id, name,
                                info.host, info.pid)
                 return None
-            if backend.force_release(name, info.owner):
+            if backend.release_owned(name, info.owner):
                 logger.warning("Released lock %r of a dead earlier delivery of %s[%s] (host %s, pid %s no "
                                "longer exists)", name, self.name, task_id, info.host, info.pid)
             try:
@@ -327,7 +341,7 @@ class SingleInstanceTask(DjangoTask):
         """Delete the queued marker named in ``headers`` if its owner id still holds it."""
         marker = self._queued_marker(headers, args, kwargs)
         if marker:
-            locks[self.lock_using].force_release(marker["name"], marker["owner"])
+            locks[self.lock_using].release_owned(marker["name"], marker["owner"])
 
     def _release_lock_of_dead_run(self, request, cause):
         """Release the run lock of ``request`` (its pool child is dead): only the record that run wrote.
@@ -343,7 +357,7 @@ class SingleInstanceTask(DjangoTask):
         for info in backend.held_locks(prefix=name):
             if (info.name == name and info.task_id and info.task_id == request.id and info.host == host
                     and (pid is None or info.pid == pid)):
-                if backend.force_release(name, info.owner):
+                if backend.release_owned(name, info.owner):
                     logger.info("Released lock %r of %s[%s] (pool child pid %s): %s",
                                 name, self.name, request.id, info.pid, cause)
 

@@ -10,6 +10,21 @@ from distlock.backends.base import BaseLockBackend
 from distlock.backends.redis_servers import describe
 from distlock.conf import DEFAULT_ALIAS, get_config
 
+__all__ = [
+    "E001",
+    "E002",
+    "E003",
+    "E004",
+    "E005",
+    "E006",
+    "E007",
+    "METRICS_VENDORS",
+    "W001",
+    "W002",
+    "check_distlock_setting",
+    "check_metrics_setting",
+]
+
 E001 = "distlock.E001"  # DISTLOCK is not a dict, or has no 'default' alias
 E002 = "distlock.E002"  # an alias entry is not a dict with BACKEND
 E003 = "distlock.E003"  # BACKEND cannot be imported or is not a lock backend
@@ -18,6 +33,7 @@ E005 = "distlock.E005"  # two aliases keep keys under one prefix of one server
 E006 = "distlock.E006"  # DISTLOCK_METRICS is invalid
 E007 = "distlock.E007"  # the metrics store's database is not PostgreSQL or SQLite
 W001 = "distlock.W001"  # a backend that can be secured is not (shown with DEBUG off)
+W002 = "distlock.W002"  # an option is set under the old name it had before distlock 1.0
 
 
 def check_distlock_setting(app_configs=None, **kwargs):
@@ -59,6 +75,10 @@ def check_distlock_setting(app_configs=None, **kwargs):
         except ImproperlyConfigured as exc:
             errors.append(Error(str(exc), id=E004))
             continue
+        errors.extend(
+            Warning(f"DISTLOCK['{alias}']['OPTIONS']['{old}'] is the old name of '{new}'; it still works, but "
+                    "is removed in distlock 2.0.", hint=f"Rename it to '{new}'.", id=W002)
+            for old, new in backend_cls.old_option_names(entry.get("OPTIONS")))
         if not settings.DEBUG:
             errors.extend(Warning(f"DISTLOCK['{alias}']: {message}", id=W001)
                           for message in backend_cls.security_warnings(alias, options))

@@ -4,6 +4,19 @@ from django.core.exceptions import ImproperlyConfigured
 
 from distlock.redaction import redact
 
+__all__ = [
+    "BackendUnavailable",
+    "InvalidLockBackendError",
+    "LockError",
+    "LockLost",
+    "LockNotAcquired",
+    "LockSuspended",
+    "LockWouldDeadlock",
+    "NotSupported",
+    "StaleFencingToken",
+    "UnsafeFencingToken",
+]
+
 
 class LockError(Exception):
     """Base class of every runtime error distlock raises."""
@@ -34,6 +47,10 @@ class BackendUnavailable(LockError):
 
     def __init__(self, message=""):
         super().__init__(redact(message))
+
+
+class NotSupported(LockError, NotImplementedError):
+    """The alias's backend does not offer this kind of lock or operation; the message names those that do."""
 
 
 class LockWouldDeadlock(LockError):

@@ -2,12 +2,18 @@
 
 import os
 import threading
-import weakref
 
 from django.utils.module_loading import import_string
 
+from distlock.backends.green import ForkedChildHook
 from distlock.conf import get_config
 from distlock.exceptions import InvalidLockBackendError
+
+__all__ = ["LockHandler", "locks"]
+
+
+#: Every handler: a forked child drops the parent's backends.
+_HANDLERS = ForkedChildHook("_forget_after_fork")
 
 
 class LockHandler:
@@ -21,8 +27,7 @@ class LockHandler:
 
     def __init__(self):
         self._forget_after_fork()
-        handler = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: (h := handler()) and h._forget_after_fork())
+        _HANDLERS.add(self)
 
     def __getitem__(self, alias):
         if self._pid != os.getpid():

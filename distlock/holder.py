@@ -8,6 +8,8 @@ import socket
 from dataclasses import dataclass
 from json.encoder import encode_basestring
 
+__all__ = ["Holder", "current_holder", "current_task_id", "holder_record", "new_owner", "read_holder_record"]
+
 #: The Celery task id of the run in progress, set by ``distlock.celery`` so lock records name their task.
 current_task_id = contextvars.ContextVar("distlock_current_task_id", default="")
 
@@ -49,3 +51,20 @@ def holder_record(**fields):
         _encoded_holder = (holder, encoded)
     members = [f"{encode_basestring(name)}: {encode_basestring(value)}" for name, value in fields.items()]
     return "{" + ", ".join([*members, encoded]) + "}"
+
+
+#: What ``read_holder_record`` gives for a member a record lacks.
+_MISSING_MEMBERS = {"owner": "", "host": "", "pid": None, "task_id": ""}
+
+
+def read_holder_record(data):
+    """Return the members of a ``holder_record()`` (bytes or str) as a dict; missing ones as empty.
+
+    A record that is not JSON (written by hand or by another program) reads as empty: listing the
+    locks must not fail on it.
+    """
+    try:
+        record = json.loads(data)
+    except (TypeError, ValueError):
+        record = None
+    return {**_MISSING_MEMBERS, **record} if isinstance(record, dict) else dict(_MISSING_MEMBERS)

@@ -15,7 +15,9 @@ from distlock.exceptions import BackendUnavailable
 from distlock.handler import locks
 from distlock.redaction import redact
 
-logger = logging.getLogger("distlock.inventory")
+__all__ = ["AliasLocks", "PingResult", "aliases", "find", "held_locks", "ping_all"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass

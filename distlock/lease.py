@@ -7,10 +7,13 @@ from datetime import datetime, timedelta, timezone
 
 from distlock import metrics
 from distlock.exceptions import LockLost, LockSuspended
+from distlock.renewal import Renewer
 from distlock.signals import lock_lost, lock_released, send_robustly
 from distlock.validation import validate_seconds
 
-logger = logging.getLogger("distlock.lease")
+__all__ = ["Lease"]
+
+logger = logging.getLogger(__name__)
 
 
 class Lease:
@@ -22,7 +25,7 @@ class Lease:
     """
 
     def __init__(self, *, backend, name, owner, token, ttl, started, validity, acquired_at=None,
-                 handle=None, session_timeout=None):
+                 handle=None, session_timeout=None, attempts=1, auto_renew=False, max_hold=None):
         self.backend = backend
         self.alias = backend.alias
         self.name = name
@@ -37,7 +40,7 @@ class Lease:
         self.session_timeout = session_timeout
         self.handle = handle
         #: Tries ``acquire()`` needed; more than one means it waited for another holder (metrics: contention).
-        self.attempts = 1
+        self.attempts = attempts
         self.acquired_at = acquired_at or datetime.now(timezone.utc)
         self._started = started
         self._valid_until = started + validity
@@ -47,7 +50,8 @@ class Lease:
         self._suspended = False
         self._released = False
         self._state_lock = threading.Lock()
-        self._renewer = None
+        #: Built with the lease, started by ``distlock.api.acquire()`` once the lease reached its caller.
+        self._renewer = Renewer(self, max_hold=max_hold) if auto_renew else None
 
     def __repr__(self):
         state = "lost" if self.lost else "released" if self._released else "held"
@@ -63,6 +67,21 @@ class Lease:
     def expires_at(self):
         """Wall-clock time at which the lease runs out unless renewed, for display."""
         return self.acquired_at + timedelta(seconds=self._valid_until - self._started)
+
+    @property
+    def started(self):
+        """``time.monotonic()`` when the acquire request was sent: validity and ``max_hold`` count from it."""
+        return self._started
+
+    @property
+    def lost_reason(self):
+        """Why the lease was marked lost, or None."""
+        return self._lost_reason
+
+    @property
+    def renewer(self):
+        """The ``Renewer`` of an auto-renewed lease, or None."""
+        return self._renewer
 
     @property
     def held_for(self):

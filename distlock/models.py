@@ -1,10 +1,18 @@
-"""Tables of distlock: the database backend's locks, ``FencedModel`` and the log of refused fenced writes."""
+"""Tables of distlock: the database backend's locks and token counter, the rejection log and the metrics store.
+
+The abstract ``FencedModel`` lives in ``distlock.fencing``. This module imports nothing from the rest
+of distlock, so every other module may import it (see ``tests/test_architecture.py``).
+"""
+
+import warnings
 
 from django.db import models
 from django.utils.translation import gettext_lazy as _
 
-from distlock import fencing
-from distlock.querysets import FencedQuerySet
+__all__ = ["FencingRejection", "Lock", "MetricSample", "TokenSequence"]
+
+#: Names that moved to ``distlock.fencing``; the old path keeps working, with a warning, for one release.
+_MOVED_TO_FENCING = frozenset({"FencedModel", "FencedQuerySet"})
 
 
 class Lock(models.Model):
@@ -92,80 +100,13 @@ class MetricSample(models.Model):
         return f"{self.period_start} {self.alias}/{self.prefix} {self.series}[{self.bucket}] = {self.count}"
 
 
-class FencedModel(models.Model):
-    """An abstract model whose writes carry the fencing token of the lock guarding them; stale ones are refused.
+def __getattr__(name):
+    """Return ``FencedModel`` or ``FencedQuerySet`` from their new module, with a ``DeprecationWarning``."""
+    if name not in _MOVED_TO_FENCING:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"distlock.models.{name} has moved: use `from distlock.fencing import {name}`. "
+                  "The old path will be removed in the next release.", DeprecationWarning, stacklevel=2)
+    # Imported on use only: distlock.fencing imports this module (exempted in tests/test_architecture.py).
+    from distlock import fencing  # noqa: PLC0415
 
-    .. code-block:: python
-
-        class Account(FencedModel):
-            balance = models.IntegerField()
-
-        with distlock.lock(f"account:{pk}", ttl=10) as lease:
-            account = Account.objects.claim(lease, pk=pk)  # before reading: older tokens are locked out
-            account.balance -= 10
-            account.save(lease=lease)
-
-    An update is one ``UPDATE … WHERE pk = … AND fencing_token <= t``: a row that has accepted a
-    higher token is left alone and ``StaleFencingToken`` is raised (see ``distlock.fencing``).
-    Tokens of different ``DISTLOCK`` aliases are not comparable: guard a table with one alias only.
-    ``QuerySet.update()``, ``bulk_update()`` and ``delete()`` are not fenced; use ``fenced_update()``.
-    """
-
-    fencing_token = models.BigIntegerField(_("fencing token"), default=0, editable=False)
-
-    #: True: an update without a token raises ``ValueError``. False: a plain ``save()`` updates the
-    #: row unconditionally, but never lowers its token.
-    fencing_required = True
-    #: True: accept leases whose backend cannot promise tokens that never go backwards (Redlock).
-    allow_unsafe_tokens = False
-
-    objects = FencedQuerySet.as_manager()
-
-    #: The ``fencing.Offer`` of the save in progress, read by ``_do_update``.
-    _fenced_offer = None
-
-    class Meta:
-        abstract = True
-
-    def save(self, *, lease=None, fencing_token=None, **kwargs):
-        """Save the row; with ``lease=`` or ``fencing_token=`` an update lands only if no higher token came first.
-
-        ``lease`` is checked before any I/O (``LockLost``, ``UnsafeFencingToken``). An insert stores
-        the token (``fencing_token`` stays 0 without one). ``update_fields`` always includes the token.
-
-        :raises StaleFencingToken: the row holds a higher token; nothing was written.
-        :raises ValueError: an update without a token while ``fencing_required`` is True.
-        """
-        offer = fencing.offer_for_save(type(self), lease, fencing_token)
-        if offer is None:
-            return super().save(**kwargs)
-        if kwargs.get("update_fields"):
-            kwargs["update_fields"] = {*kwargs["update_fields"], fencing.TOKEN_FIELD}
-        previous = self.fencing_token
-        self.fencing_token, self._fenced_offer = offer.token, offer
-        try:
-            return super().save(**kwargs)
-        except BaseException:
-            self.fencing_token = previous
-            raise
-        finally:
-            self._fenced_offer = None
-
-    def _do_update(self, base_qs, using, pk_val, values, update_fields, forced_update):
-        # Overrides Model._do_update (Django 5.2; pinned by tests/test_fencing.py): the one place an
-        # UPDATE of a saved row is issued, so the fencing condition joins that very statement.
-        if not fencing.guards(base_qs.model, type(self)):
-            return super()._do_update(base_qs, using, pk_val, values, update_fields, forced_update)
-        if self._fenced_offer is not None:
-            return fencing.update_row(self, base_qs, pk_val, values, self._fenced_offer)
-        if self.fencing_required:
-            if base_qs.filter(pk=pk_val).exists():
-                raise ValueError(
-                    f"{self._meta.label} pk={pk_val!r} is fenced: update it with save(lease=lease) or "
-                    f"save(fencing_token=token), or set fencing_required = False on {type(self).__name__} "
-                    "to allow plain saves."
-                )
-            return False
-        # A plain save may carry a token read long ago: writing it back could lower the stored one.
-        values = [value for value in values if value[0].attname != fencing.TOKEN_FIELD]
-        return super()._do_update(base_qs, using, pk_val, values, update_fields, forced_update)
+    return getattr(fencing, name)

@@ -1,96 +1,17 @@
-"""``FencedQuerySet``: the claim and bulk paths of ``FencedModel`` (``Model.objects.claim(...)``)."""
+"""The old path of ``FencedQuerySet``, kept for one release: import it from ``distlock.fencing``."""
 
-from django.db import models
+import warnings
 
-from distlock import fencing
+__all__ = []
 
 
-class FencedQuerySet(models.QuerySet):
-    """A queryset whose writes carry a fencing token; the manager of every ``FencedModel``.
+def __getattr__(name):
+    """Return ``FencedQuerySet`` from its new module, with a ``DeprecationWarning``."""
+    if name != "FencedQuerySet":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn("distlock.querysets.FencedQuerySet has moved: use `from distlock.fencing import FencedQuerySet`. "
+                  "The old path will be removed in the next release.", DeprecationWarning, stacklevel=2)
+    # Imported on use only, as the shim's one import (exempted in tests/test_architecture.py).
+    from distlock.fencing import FencedQuerySet  # noqa: PLC0415
 
-    A model that declares its own manager keeps these methods by building it from this class
-    (``FencedQuerySet.as_manager()`` or ``MyManager.from_queryset(FencedQuerySet)``).
-
-    ``update()``, ``bulk_update()`` and ``bulk_create(update_conflicts=True)`` refuse to set the
-    token unless the queryset comes from ``unfenced()``: a lowered token lets stale writes through.
-    """
-
-    #: True on a queryset from ``unfenced()``: its bulk writes may set the token.
-    _token_writable = False
-
-    def _clone(self):
-        clone = super()._clone()
-        clone._token_writable = self._token_writable
-        return clone
-
-    def _writing(self):
-        """Return a copy bound to the database routers pick for writes, as ``update()`` is.
-
-        A claim and a fenced update read the stale rows and write on one database, in one
-        transaction; with a read-replica router, ``self.db`` alone would name the replica.
-        """
-        clone = self._chain()
-        clone._for_write = True
-        return clone
-
-    def unfenced(self):
-        """Return a copy of this queryset whose ``update()``, ``bulk_update()`` and ``bulk_create()`` may set the token.
-
-        Setting the token yourself can lower it, and a row with a lowered token accepts the writes
-        of stale holders again: use it for maintenance (e.g. resetting rows after moving to another
-        lock alias), never in the path of a fenced write.
-        """
-        clone = self._chain()
-        clone._token_writable = True
-        return clone
-
-    def update(self, **kwargs):
-        fencing.refuse_token_write(self, "update()", kwargs)
-        return super().update(**kwargs)
-
-    def bulk_update(self, objs, fields, batch_size=None):
-        fencing.refuse_token_write(self, "bulk_update()", fields)
-        return super().bulk_update(objs, fields, batch_size=batch_size)
-
-    def bulk_create(self, objs, batch_size=None, ignore_conflicts=False, update_conflicts=False,
-                    update_fields=None, unique_fields=None):
-        if update_conflicts and update_fields:
-            fencing.refuse_token_write(self, "bulk_create(update_conflicts=True)", update_fields)
-        return super().bulk_create(objs, batch_size=batch_size, ignore_conflicts=ignore_conflicts,
-                                   update_conflicts=update_conflicts, update_fields=update_fields,
-                                   unique_fields=unique_fields)
-
-    def claim(self, lease_or_token, **lookup):
-        """Raise the matching row's token to the lease's token and return the row as stored after that.
-
-        Claim a row *before* reading it for a read-modify-write: once claimed, any later write
-        carrying an older token is refused, so an update made from a stale read cannot land.
-
-        The claim commits at once, so it refuses to run inside an open transaction: a rollback would
-        take it back while you still hold the lock (see ``claim_in_transaction()``).
-
-        :param lease_or_token: a ``Lease`` (checked first: ``LockLost``, ``UnsafeFencingToken``) or an int token.
-        :param lookup: as for ``get()``; exactly one row must match.
-        :raises StaleFencingToken: a higher token has claimed or written the row; nothing changed.
-        :raises DoesNotExist: no row matches (``MultipleObjectsReturned`` if several do).
-        :raises TransactionManagementError: called inside ``transaction.atomic()`` (or with autocommit off).
-        """
-        return fencing.claim(self._writing(), fencing.offer(self.model, lease_or_token, "lease_or_token"), lookup)
-
-    def claim_in_transaction(self, lease_or_token, **lookup):
-        """``claim()`` as part of the caller's open transaction: the raised token commits or rolls back with it.
-
-        After a rollback the claim is void: older holders' writes are accepted again, so claim again
-        before reading. For callers that must commit the claim together with other rows.
-        """
-        return fencing.claim(self._writing(), fencing.offer(self.model, lease_or_token, "lease_or_token"), lookup,
-                             in_transaction=True)
-
-    def fenced_update(self, token, **fields):
-        """Set ``fields`` (and the token) on every row of this queryset whose token is not newer; return the count.
-
-        ``token`` is a ``Lease`` or an int. Each row skipped because it holds a higher token is a
-        rejection like a refused save (counted, logged, signalled), but nothing is raised: compare
-        the count with what you expected.
-        """
-        return fencing.fenced_update(self._writing(), fencing.offer(self.model, token, "token"), fields)
+    return FencedQuerySet

@@ -7,6 +7,8 @@ inside messages; whatever text is about to be shown passes through ``redact()``.
 
 import re
 
+__all__ = ["REDACTED", "redact"]
+
 #: The user-info of a URL: everything between ``scheme://`` and the last ``@`` of the authority.
 _USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s'\"]*@")
 #: Query parameters that carry a secret (redis-py passes any query parameter on as a keyword), such as

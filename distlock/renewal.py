@@ -1,28 +1,19 @@
 """The watchdog that keeps a lease alive while held, and stops at ``max_hold``."""
 
 import logging
-import os
 import threading
 import time
 import weakref
 
-from distlock.backends.green import Daemon
+from distlock.backends.green import Daemon, ForkedChildHook
 from distlock.exceptions import BackendUnavailable
 
-logger = logging.getLogger("distlock.renewal")
+__all__ = ["Renewer"]
 
-#: Every renewer of this process that was started, for the fork hook (``_after_fork_in_child``).
-_RENEWERS = weakref.WeakSet()
+logger = logging.getLogger(__name__)
 
-
-def _after_fork_in_child():
-    """Stop the parent's renewals in a forked child: the leases are the parent's (under gevent its greenlets run on)."""
-    for renewer in list(_RENEWERS):
-        renewer._stopped.set()  # first: an ended renewal must not mark its lease lost
-        renewer._thread.end_in_child()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+#: Every renewer of this process that was started.
+_STARTED = ForkedChildHook("_end_in_forked_child")
 
 
 class Renewer:
@@ -45,19 +36,24 @@ class Renewer:
         self._lease_ref = weakref.ref(lease)
         self._ttl = lease.ttl
         self._interval = lease.ttl * self.interval_ratio
-        self._hold_deadline = None if max_hold is None else lease._started + max_hold
+        self._hold_deadline = None if max_hold is None else lease.started + max_hold
         self._clock = clock
         # Counted from the acquire request, not from start(): ``acquire()`` starts the thread only
         # after the ``lock_acquired`` receivers ran, and a slow receiver must not delay the first
         # extension past the lease's validity.
-        self._due = lease._started + self._interval
+        self._due = lease.started + self._interval
         self._stopped = threading.Event()
         self._thread = Daemon(self._run, name=f"distlock-renew:{lease.name[:40]}")
 
     def start(self):
         """Start the thread (once). A renewer cancelled before, or while, it starts never extends."""
-        _RENEWERS.add(self)
+        _STARTED.add(self)
         self._thread.start()
+
+    def _end_in_forked_child(self):
+        """Stop the parent's renewal in a forked child: the lease is the parent's (under gevent its greenlet runs on)."""
+        self._stopped.set()  # first: an ended renewal must not mark its lease lost
+        self._thread.end_in_child()
 
     def cancel(self):
         """Tell the thread to stop at its next wake-up, without waiting: one flag, nothing that blocks."""
@@ -78,7 +74,7 @@ class Renewer:
         try:
             while not self._stopped.wait(self._next_wait()):
                 lease = self._lease_ref()
-                if lease is None or lease.released or lease._lost_reason is not None:
+                if lease is None or lease.released or lease.lost_reason is not None:
                     return
                 if self._hold_deadline is not None and self._clock() >= self._hold_deadline:
                     self._stop_at_max_hold(lease)

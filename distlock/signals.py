@@ -4,7 +4,9 @@ import logging
 
 from django.dispatch import Signal
 
-logger = logging.getLogger("distlock.signals")
+__all__ = ["fencing_token_rejected", "lock_acquired", "lock_lost", "lock_released", "send_robustly", "task_skipped"]
+
+logger = logging.getLogger(__name__)
 
 #: Sent after a lease is acquired. Arguments: ``alias``, ``lease``.
 lock_acquired = Signal()

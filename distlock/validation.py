@@ -4,6 +4,8 @@ import math
 import re
 import unicodedata
 
+__all__ = ["MAX_NAME_LENGTH", "MAX_SECONDS", "validate_alias", "validate_flag", "validate_name", "validate_seconds"]
+
 MAX_NAME_LENGTH = 255
 
 #: Characters no lock name may hold: Unicode's control characters (category Cc), format characters

@@ -15,6 +15,8 @@ from django.views.decorators.cache import never_cache
 
 from distlock.metrics import prometheus, this_process
 
+__all__ = ["MetricsView", "metrics"]
+
 
 @method_decorator(never_cache, name="dispatch")
 class MetricsView(View):

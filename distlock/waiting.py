@@ -12,20 +12,9 @@ which an interrupt leaves as it was, and notifiers only ``put``, which never blo
 import queue
 import time
 
-from distlock.backends.green import green_library
+from distlock.backends.green import mailbox
 
-
-def mailbox():
-    """Return a queue for handing things to a waiting thread: ``put`` never blocks, ``get`` keeps no lock.
-
-    The C ``SimpleQueue`` (gevent's, once gevent patched ``queue``). eventlet leaves ``SimpleQueue``
-    alone, and a wait in C would stall every green thread of the process: there, eventlet's queue.
-    """
-    if green_library() == "eventlet":
-        from eventlet.queue import LightQueue  # noqa: PLC0415 - only in an eventlet process
-
-        return LightQueue()
-    return queue.SimpleQueue()
+__all__ = ["Wakeups", "mailbox"]
 
 
 class Wakeups:

@@ -50,7 +50,8 @@ def main(library, alias, prefix):
         statement = "SELECT pg_sleep(0.5)" if postgres else "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL " \
             "SELECT i + 1 FROM n WHERE i < 300000) SELECT count(*) FROM n"
         try:
-            backend._run(lambda cursor, params: cursor.execute(statement).fetchall(), {})
+            backend._run(lambda cursor, params: cursor.execute(statement).fetchall(), {},
+                         operation="run a slow statement")
             counts["operations"] += 1
         except Exception:  # noqa: BLE001 - every failure counts
             errors.append(traceback.format_exc(limit=8))

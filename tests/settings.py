@@ -72,18 +72,18 @@ if os.environ.get("DISTLOCK_TEST_REDLOCK_URLS"):
     DISTLOCK["redlock"] = {"BACKEND": "distlock.backends.redlock.RedlockBackend",
                            "OPTIONS": {"URLS": os.environ["DISTLOCK_TEST_REDLOCK_URLS"].split(",")}}
     # Processes that load the CPU on purpose (tests/thread_churn.py) give the masters longer to answer.
-    if os.environ.get("DISTLOCK_TEST_REDLOCK_NODE_TIMEOUT"):
-        DISTLOCK["redlock"]["OPTIONS"]["NODE_TIMEOUT"] = float(os.environ["DISTLOCK_TEST_REDLOCK_NODE_TIMEOUT"])
+    if os.environ.get("DISTLOCK_TEST_REDLOCK_REQUEST_TIMEOUT"):
+        DISTLOCK["redlock"]["OPTIONS"]["REQUEST_TIMEOUT"] = float(os.environ["DISTLOCK_TEST_REDLOCK_REQUEST_TIMEOUT"])
 
 if os.environ.get("DISTLOCK_TEST_ZK_HOSTS"):
     DISTLOCK["zookeeper"] = {"BACKEND": "distlock.backends.zookeeper.ZooKeeperBackend",
                              "OPTIONS": {"HOSTS": os.environ["DISTLOCK_TEST_ZK_HOSTS"],
-                                         "ROOT": f"/distlock-test-{RUN_ID}"}}
+                                         "KEY_PREFIX": f"/distlock-test-{RUN_ID}"}}
 
 if os.environ.get("DISTLOCK_TEST_ETCD_ENDPOINTS"):
     DISTLOCK["etcd"] = {"BACKEND": "distlock.backends.etcd.EtcdBackend",
                         "OPTIONS": {"ENDPOINTS": os.environ["DISTLOCK_TEST_ETCD_ENDPOINTS"],
-                                    "PREFIX": f"/distlock-test-{RUN_ID}/"}}
+                                    "KEY_PREFIX": f"/distlock-test-{RUN_ID}/"}}
 
 # The tasks and run records of tests/test_celery.py; workers find them through autodiscovery.
 INSTALLED_APPS = [*INSTALLED_APPS, "tests.celery_app"]  # noqa: F405

@@ -119,12 +119,12 @@ def test_option_defaults_apply_per_alias(settings):
 
 
 def test_read_write_locks_name_the_backend_that_lacks_them():
-    with pytest.raises(NotImplementedError, match="LocMemBackend"):
-        with distlock.read_lock("rw", using=ALIAS):
-            pass
-    with pytest.raises(NotImplementedError, match="LocMemBackend"):
-        with distlock.write_lock("rw", using=ALIAS):
-            pass
+    expected = rf"^Lock alias '{ALIAS}' \(locmem\) does not support read/write locks .*use an alias whose backend does: ZooKeeper\.$"
+    for shape in (distlock.read_lock, distlock.write_lock):
+        with pytest.raises(distlock.NotSupported, match=expected) as refused:
+            with shape("rw", using=ALIAS):
+                pass
+        assert isinstance(refused.value, NotImplementedError) and isinstance(refused.value, distlock.LockError)
 
 
 def test_decorator_acquires_per_call_and_validates_at_decoration():

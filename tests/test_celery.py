@@ -119,7 +119,7 @@ checks = []
 @single_instance_task(name="test_celery.losing", key="losing", using="locmem", ttl=0.3)
 def losing(lease=None):
     # Another party deletes our lock: the renewal (every 0.1 s) finds it gone and marks the lease lost.
-    locks["locmem"].force_release(lease.name, lease.owner)
+    locks["locmem"].release_owned(lease.name, lease.owner)
     time.sleep(0.6)
     try:
         lease.check()

@@ -17,10 +17,11 @@ from django.db.transaction import TransactionManagementError
 from django.test.utils import CaptureQueriesContext
 
 import distlock
-from distlock import fencing
+from distlock import metrics
 from distlock.backends.base import SAFE_FENCING_TOKENS
 from distlock.backends.locmem import LocMemBackend
-from distlock.models import FencedModel, FencingRejection
+from distlock.fencing import FencedModel, FencedQuerySet, statements
+from distlock.models import FencingRejection
 from distlock.signals import fencing_token_rejected
 from tests.conftest import long_only, require_alias
 from tests.fencing_app.models import Account, LooseAccount, RedlockAccount, SavingsAccount
@@ -72,7 +73,7 @@ def lock_alias(request):
 def recorded(monkeypatch):
     """The (alias, lock name) of each counted rejection (metrics) and the arguments of each ``fencing_token_rejected``."""
     seen = {"metrics": [], "signals": []}
-    count = fencing.metrics.record_rejection
+    count = metrics.record_rejection
 
     def counting(alias, name=""):
         seen["metrics"].append((alias, name))
@@ -81,7 +82,7 @@ def recorded(monkeypatch):
     def receiver(sender, **kwargs):
         seen["signals"].append({"sender": sender, **kwargs})
 
-    monkeypatch.setattr(fencing.metrics, "record_rejection", counting)
+    monkeypatch.setattr(metrics, "record_rejection", counting)
     fencing_token_rejected.connect(receiver)
     yield seen
     fencing_token_rejected.disconnect(receiver)
@@ -136,6 +137,20 @@ def test_do_update_is_the_hook_django_calls():
     assert list(inspect.signature(models.Model._do_update).parameters) == [
         "self", "base_qs", "using", "pk_val", "values", "update_fields", "forced_update"]
     assert "_do_update" in FencedModel.__dict__
+
+
+def test_the_old_import_paths_still_work_and_warn():
+    """Kept for one release after the move to ``distlock.fencing``; each warning names the new path and the caller."""
+    with pytest.warns(DeprecationWarning, match=r"use `from distlock\.fencing import FencedModel`") as model_warning:
+        from distlock.models import FencedModel as old_model  # noqa: PLC0415
+    with pytest.warns(DeprecationWarning, match=r"use `from distlock\.fencing import FencedQuerySet`"):
+        from distlock.models import FencedQuerySet as old_queryset  # noqa: PLC0415
+    with pytest.warns(DeprecationWarning, match=r"use `from distlock\.fencing import FencedQuerySet`"):
+        from distlock.querysets import FencedQuerySet as older_queryset  # noqa: PLC0415
+    assert (old_model, old_queryset, older_queryset) == (FencedModel, FencedQuerySet, FencedQuerySet)
+    assert model_warning[0].filename == __file__
+    with pytest.raises(ImportError):
+        from distlock.models import NoSuchName  # noqa: F401, PLC0415
 
 
 def test_insert_stores_the_given_token_or_zero(db):
@@ -389,7 +404,7 @@ def test_claim_refusals(db, recorded, lock_name):
 
 def test_claim_where_update_returning_is_missing(db, recorded, lock_name, monkeypatch):
     """Databases without UPDATE … RETURNING claim by locking the row in a transaction; same results."""
-    monkeypatch.setattr(fencing, "updates_return_rows", lambda connection: False)
+    monkeypatch.setattr(statements, "updates_return_rows", lambda connection: False)
     account = Account.objects.using(db).create(balance=7)
     with CaptureQueriesContext(connections[db]) as queries:
         claimed = Account.objects.using(db).claim(40, pk=account.pk)
@@ -453,7 +468,7 @@ def claim_by_lookup(db, account, lease_or_token, monkeypatch):
 
 
 def claim_without_returning(db, account, lease_or_token, monkeypatch):
-    monkeypatch.setattr(fencing, "updates_return_rows", lambda connection: False)
+    monkeypatch.setattr(statements, "updates_return_rows", lambda connection: False)
     Account.objects.using(db).claim(lease_or_token, pk=account.pk)
 
 
@@ -496,7 +511,7 @@ def test_claim_without_returning_never_lowers_a_token_raised_after_its_read(db, 
     Stand-in for a writer that slips in between the claim's SELECT and its UPDATE (SQLite ignores
     select_for_update()): the token is raised to 50 on the claim's own connection right after the SELECT.
     """
-    monkeypatch.setattr(fencing, "updates_return_rows", lambda connection: False)
+    monkeypatch.setattr(statements, "updates_return_rows", lambda connection: False)
     account = Account.objects.using(db).create(balance=1)
     table = connections[db].ops.quote_name(Account._meta.db_table)
     raised = []

@@ -168,7 +168,7 @@ def test_a_raising_lock_lost_receiver_stops_neither_the_marking_nor_the_other_re
     connect(lock_lost, lambda lease, **kwargs: seen.append(("next", lease._lost_reason is not None)))
     lease = distlock.acquire(lock_name, ttl=1.5, auto_renew=True, using=backend_alias)
     try:
-        assert locks[backend_alias].force_release(lock_name, lease.owner) is True
+        assert locks[backend_alias].release_owned(lock_name, lease.owner) is True
         wait_until(lambda: len(seen) == 2, WAIT, "lock_lost sent to both receivers")
     finally:
         lease.release()
@@ -237,7 +237,7 @@ def test_an_interrupt_inside_release_leaves_nothing_renewing(backend_alias, lock
         wait_until(lambda: not renewal_threads(lock_name), WAIT, "the end of the renewal thread of a released lease")
         assert lease.released
     finally:
-        locks[backend_alias].force_release(lock_name, lease.owner)
+        locks[backend_alias].release_owned(lock_name, lease.owner)
 
 
 def test_an_interrupt_inside_the_backend_release_leaves_nothing_renewing(backend_alias, lock_name, monkeypatch):
@@ -250,7 +250,7 @@ def test_an_interrupt_inside_the_backend_release_leaves_nothing_renewing(backend
         assert not renewal_threads(lock_name), "renewal stops before the backend is asked to release"
     finally:
         monkeypatch.undo()
-        backend.force_release(lock_name, lease.owner)
+        backend.release_owned(lock_name, lease.owner)
 
 
 # -- metrics ---------------------------------------------------------------------------------------
@@ -262,7 +262,7 @@ def test_a_bad_metrics_setting_neither_fails_nor_leaks_the_grant(settings, lock_
         assert lease.release() is True
     assert metrics.this_process._recording is False
     errors = [record for record in caplog.records
-              if record.name == "distlock.metrics" and record.levelno >= logging.ERROR]
+              if record.name.startswith("distlock.metrics") and record.levelno >= logging.ERROR]
     assert len(errors) == 1, "logged once, not at every acquire"
     assert "FLUSH_INTERVAL" in caplog.text
 

@@ -37,7 +37,7 @@ def passworded_redlock(settings):
     """A Redlock alias whose masters' URLs carry a password, on ports nothing listens on."""
     urls = [f"redis://admin:{SECRET}@127.0.0.1:{free_port()}/0" for _ in range(3)]
     settings.DISTLOCK = {**settings.DISTLOCK, "passworded": {
-        "BACKEND": "distlock.backends.redlock.RedlockBackend", "OPTIONS": {"URLS": urls, "NODE_TIMEOUT": 0.1}}}
+        "BACKEND": "distlock.backends.redlock.RedlockBackend", "OPTIONS": {"URLS": urls, "REQUEST_TIMEOUT": 0.1}}}
     yield "passworded"
     locks.close_all()
 
@@ -71,7 +71,7 @@ def test_a_password_in_a_refused_option_shows_not_in_the_configuration_error():
 def test_a_password_in_a_redis_url_shows_not_in_backend_unavailable(settings):
     settings.DISTLOCK = {**settings.DISTLOCK, "passworded_redis": {
         "BACKEND": "distlock.backends.redis.RedisBackend",
-        "OPTIONS": {"URL": f"redis://admin:{SECRET}@127.0.0.1:{free_port()}/0", "SOCKET_TIMEOUT": 0.5}}}
+        "OPTIONS": {"URL": f"redis://admin:{SECRET}@127.0.0.1:{free_port()}/0", "REQUEST_TIMEOUT": 0.5}}}
     try:
         with pytest.raises(distlock.BackendUnavailable) as excinfo:
             distlock.acquire("secret-test", ttl=10, blocking=False, using="passworded_redis")

@@ -18,7 +18,7 @@ from tests.workers import ROOT, child_env
 CHURN_SECONDS = 20
 #: Eight processes of busy threads on a small machine: Redlock's masters get longer than the default
 #: 0.25 s to answer, so that a starved CPU does not count as a failed acquire.
-REDLOCK_NODE_TIMEOUT = "2"
+REDLOCK_REQUEST_TIMEOUT = "2"
 
 
 @pytest.mark.slow
@@ -29,7 +29,7 @@ def test_threads_that_come_and_go_never_crash_fail_or_overlap_on_any_backend():
     processes = {
         alias: subprocess.Popen(
             [sys.executable, "-m", "tests.thread_churn", alias, str(CHURN_SECONDS), prefix],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(DISTLOCK_TEST_REDLOCK_NODE_TIMEOUT=REDLOCK_NODE_TIMEOUT), cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(DISTLOCK_TEST_REDLOCK_REQUEST_TIMEOUT=REDLOCK_REQUEST_TIMEOUT), cwd=ROOT,
         )
         for alias in aliases
     }

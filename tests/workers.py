@@ -260,7 +260,7 @@ def green_cycles(alias, prefix, threads=10, cycles=60, hot_names=3):
         worker.start()
     for worker in workers:
         worker.join()
-    emit(handler=type(backend._client.handler).__name__, cycles=counts["cycles"], errors=errors[:20],
+    emit(handler=type(backend._session.client.handler).__name__, cycles=counts["cycles"], errors=errors[:20],
          error_count=len(errors), held=[info.name for info in backend.held_locks(prefix)])
     backend.close()
     emit(closed=True)

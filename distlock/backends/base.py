@@ -1,18 +1,70 @@
-"""The base class every lock backend implements, and the option schema the system checks share."""
+"""The base class every lock backend implements: the one acquire loop, the hooks, and the option schema.
 
-import math
+Glossary (one word for one thing, in the code, the options and the docs):
+
+- **alias**: one entry of ``settings.DISTLOCK``, and the backend instance built from it.
+- **owner**: the random id an ``acquire()`` call stores on the server; only that owner's release or
+  extension acts (compare-and-delete, ``release_owned``).
+- **attempt**: one ``acquire()`` call (``Attempt``), from its first request to its lease or its failure.
+- **try**: one ``_try_acquire`` of an attempt: a request that grants the lock or says why not.
+- **wait**: what an attempt does between two tries (``_wait_for_release``): back off, or wait for a
+  notification from the server.
+- **grant**: what a successful try reports (``Grant``); the base class turns it into a ``Lease``.
+- **late grant**: a grant that comes back after its ttl ran out; it is given back, never handed out.
+- **give back**: delete a grant nobody will use (late, unusable, or its caller was interrupted).
+- **give up**: what an attempt that leaves without the lock does to withdraw its tries' records (a place
+  in a queue) (``_give_up``).
+- **leftover**: a record an attempt or a lease left on the server that nobody uses any more (a queue
+  key a failed give-up could not delete); backends delete leftovers in the background or let them expire.
+- **release_owned(name, owner)**: compare-and-delete by name and owner; a lease's release and an
+  operator's force release both end there. Nothing is "forced": the owner is always compared.
+- **KEY_PREFIX**: the option naming where an alias keeps its records on the server (a key prefix, a
+  znode path, an etcd prefix).
+- **REQUEST_TIMEOUT**: the option bounding one request to the server, in seconds
+  (``distlock.backends.deadlines.request_deadline``).
+- **session**: for ZooKeeper and etcd, the server-side session or lease that frees a dead holder's locks.
+"""
+
+import functools
+import logging
 import random
 import time
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 
 from django.core.exceptions import ImproperlyConfigured
 
-from distlock.exceptions import BackendUnavailable, LockNotAcquired
+from distlock.backends.offload import Abandoned, Inline
+from distlock.backends.options import (
+    EPOCH_SHIFT,
+    Option,
+    optional_positive_number,
+    positive_number,
+    token_epoch,
+    token_in_epoch,
+)
+from distlock.exceptions import BackendUnavailable, LockNotAcquired, NotSupported
 from distlock.holder import new_owner
 from distlock.lease import Lease
 from distlock.redaction import redact
-from distlock.validation import MAX_SECONDS
+
+__all__ = [
+    "Attempt",
+    "BaseLockBackend",
+    "Grant",
+    "INLINE",
+    "LATE_GRANTS_LIMIT",
+    "LockInfo",
+    "NOTIFICATIONS",
+    "READ_WRITE",
+    "SAFE_FENCING_TOKENS",
+    "SUPPORTED_BY",
+    "refuse_after_late_grants",
+]
+
+logger = logging.getLogger(__name__)
 
 #: Capabilities a backend may declare in ``capabilities``:
 #: ``safe_fencing_tokens``: tokens never go backwards, so stores may trust them (``lease.token_is_safe``).
@@ -22,74 +74,12 @@ SAFE_FENCING_TOKENS = "safe_fencing_tokens"
 READ_WRITE = "read_write"
 NOTIFICATIONS = "notifications"
 
-
-class Option:
-    """One entry of a backend's ``OPTIONS``: its accepted types, default and an optional extra check.
-
-    ``check`` receives the value and returns an error message, or None when the value is fine.
-    """
-
-    def __init__(self, types, default=None, *, required=False, check=None, expected=None):
-        self.types = types if isinstance(types, tuple) else (types,)
-        self.default = default
-        self.required = required
-        self.check = check
-        self.expected = expected or " or ".join(t.__name__ for t in self.types)
-
-    def clean(self, alias, name, value):
-        # bool is an int subclass; a TTL of True is a typo, not a number.
-        if not isinstance(value, self.types) or (isinstance(value, bool) and bool not in self.types):
-            raise ImproperlyConfigured(
-                f"DISTLOCK['{alias}']['OPTIONS']['{name}'] must be {self.expected}, got {redact(repr(value))}."
-            )
-        problem = self.check(value) if self.check else None
-        if problem:
-            raise ImproperlyConfigured(
-                f"DISTLOCK['{alias}']['OPTIONS']['{name}'] {problem}, got {redact(repr(value))}."
-            )
-        return value
-
-
-def positive_number(value):
-    """Return an error unless ``value`` is a finite number of seconds above zero, at most ``MAX_SECONDS``."""
-    if not math.isfinite(value) or value <= 0 or value > MAX_SECONDS:
-        return f"must be a finite number of seconds above zero and at most {MAX_SECONDS:g}"
-    return None
-
-
-def optional_positive_number(value):
-    return None if value is None else positive_number(value)
-
-
-def positive_count(value):
-    """Return an error unless ``value`` (an int) is at least 1."""
-    return None if value >= 1 else "must be at least 1"
-
-
-#: Bits of a fencing token left to the backend's own token below ``TOKEN_EPOCH``: room for every
-#: backend's tokens (locmem's are microseconds since 1970, below 2**52 until 2112; ZooKeeper's zxids
-#: while its leader epoch is below 2**20), and the epoch above them stays within a signed 64-bit column.
-EPOCH_SHIFT = 52
-MAX_TOKEN_EPOCH = 2 ** (63 - EPOCH_SHIFT) - 1
-
-
-def token_epoch(value):
-    """Return an error unless ``value`` is a ``TOKEN_EPOCH`` (0 to ``MAX_TOKEN_EPOCH``)."""
-    return None if 0 <= value <= MAX_TOKEN_EPOCH else f"must be between 0 and {MAX_TOKEN_EPOCH}"
-
-
-def token_in_epoch(epoch, token):
-    """Return the backend's ``token`` placed in ``epoch``, or None if it does not fit below the epoch.
-
-    Tokens of one backend compare only with each other: an alias pointed at another backend, or at a
-    server started afresh, issues tokens below those its fenced rows already store, and every write
-    would be refused as stale. Raising ``TOKEN_EPOCH`` puts every new token above every earlier one.
-    """
-    if not epoch:
-        return token
-    if not 0 <= token < 1 << EPOCH_SHIFT:
-        return None
-    return epoch << EPOCH_SHIFT | token
+#: The built-in backends that declare each capability, for ``NotSupported`` messages (a test keeps it true).
+SUPPORTED_BY = {
+    SAFE_FENCING_TOKENS: ("database", "locmem", "Redis", "ZooKeeper", "etcd"),
+    READ_WRITE: ("ZooKeeper",),
+    NOTIFICATIONS: ("locmem", "Redis", "Redlock", "ZooKeeper", "etcd"),
+}
 
 
 @dataclass(frozen=True)
@@ -126,13 +116,17 @@ def refuse_after_late_grants(late_grants, alias, name, ttl):
         )
 
 
+#: The job of an attempt run on its caller's own thread: never cancelled.
+INLINE = Inline()
+
+
 @dataclass
 class Attempt:
     """One ``acquire()`` call as its tries and waits see it.
 
-    The base class makes one per call and passes it to ``_try_acquire`` and ``_wait_for_release``,
-    so what a try learns (the server's hint of when to look again, a position in a notification
-    stream) reaches the wait that follows without per-thread state in the backend.
+    The base class makes one per call and passes it to every hook, so what a try learns (the server's
+    hint of when to look again, a place in a queue) reaches the wait and the try that follow without
+    per-thread state in the backend.
     """
 
     name: str
@@ -142,6 +136,15 @@ class Attempt:
     blocking: bool
     #: ``time.monotonic()`` by which the call must end, or None for no limit.
     deadline: float | None
+    #: The caller's timeout, for messages.
+    timeout: float | None = None
+    #: None for an exclusive lock; "read" or "write" for ``acquire_shared()``.
+    mode: str | None = None
+    #: The job the attempt runs as (``distlock.backends.offload``): ``cancelled`` once its caller was
+    #: interrupted and left; ``wake`` the Event a wait should watch. ``INLINE`` on the caller's thread.
+    job: object = INLINE
+    #: The backend's own state of this call (its node or key in a queue), kept by its hooks.
+    place: object = None
     #: Tries made so far (the first try sees 0).
     tries: int = 0
     #: Set by a try that was refused: seconds after which the lock may be free (the holder's remaining
@@ -152,6 +155,17 @@ class Attempt:
     notified_since: int | None = None
     #: Grants that came back after the ttl had run out (see ``refuse_after_late_grants``).
     late_grants: int = 0
+    #: What the lease does once granted: passed on to it (``Lease``).
+    auto_renew: bool = False
+    max_hold: float | None = None
+
+    def remaining(self):
+        """Seconds left of the caller's timeout (never below 0), or None for no limit."""
+        return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
+
+    def out_of_time(self):
+        """True if the caller will not wait any longer: a non-blocking attempt, or its timeout passed."""
+        return not self.blocking or (self.deadline is not None and time.monotonic() >= self.deadline)
 
 
 @dataclass(frozen=True)
@@ -173,14 +187,38 @@ class LockInfo:
 class BaseLockBackend:
     """A lock server behind one ``DISTLOCK`` alias.
 
-    Subclasses implement ``_try_acquire``, ``_do_release``, ``_do_extend``, ``held_locks`` and
-    ``force_release``; they override ``_wait_for_release`` when the server can notify waiters.
+    ``acquire()`` is one loop for every backend (``_acquire_loop``). A backend implements:
+
+    - ``_try_acquire(attempt)``: one try; a ``Grant``, or None while the lock is held;
+    - ``_do_extend(lease, ttl)``, ``release_owned(name, owner)``, ``held_locks(prefix)``, ``ping()``;
+    - ``client_errors`` (the client's exceptions that mean "the server did not answer") and ``_cause(exc)``,
+      so that ``translate_errors`` words every failure the same way on every backend.
+
+    and, when its server offers more, overrides:
+
+    - ``_wait_for_release(attempt, remaining)``: wait for a notification instead of backing off;
+    - ``_hold``, ``_give_back_grant``, ``_give_up``: register a grant, give one back, leave a queue;
+    - ``_do_release(lease)``: release through what the grant handed back (a znode path) rather than
+      by name and owner;
+    - ``_call(fn, abandon=...)``: run calls where an interrupt cannot break the client (``offload``).
+
     Argument checks, signals, renewal and metrics live above the backends, in ``distlock.api`` and
-    ``distlock.lease``.
+    ``distlock.lease``. docs/ARCHITECTURE.md walks through a whole call.
     """
+
+    #: How operators know the server, in messages: "Redis", "ZooKeeper".
+    label = "lock server"
 
     #: Capabilities (see the constants above) this backend provides.
     capabilities = frozenset()
+
+    #: Exceptions of the client library that mean the server did not answer, or answered with an error
+    #: (``translate_errors`` turns them into ``BackendUnavailable``).
+    client_errors = ()
+
+    #: Option names of an earlier release: old name -> new name. They keep working for one release;
+    #: the system checks warn (``distlock.W002``) and name the new one.
+    renamed_options = {}
 
     #: Options every backend accepts.
     common_options = {
@@ -212,7 +250,8 @@ class BaseLockBackend:
         if options is None:
             options = {}
         if not isinstance(options, dict):
-            raise ImproperlyConfigured(f"DISTLOCK['{alias}']['OPTIONS'] must be a dict, got {options!r}.")
+            raise ImproperlyConfigured(f"DISTLOCK['{alias}']['OPTIONS'] must be a dict, got {redact(repr(options))}.")
+        options = cls._renamed(alias, options)
         schema = {**cls.common_options, **cls.options}
         unknown = sorted(set(options) - set(schema))
         if unknown:
@@ -237,6 +276,26 @@ class BaseLockBackend:
             )
         cls.check_combination(alias, cleaned)
         return cleaned
+
+    @classmethod
+    def _renamed(cls, alias, options):
+        """Return ``options`` with each old name of ``renamed_options`` moved to its new name."""
+        renamed = dict(options)
+        for old, new in cls.renamed_options.items():
+            if old in renamed:
+                if new in renamed:
+                    raise ImproperlyConfigured(
+                        f"DISTLOCK['{alias}']['OPTIONS'] sets both '{new}' and its old name '{old}'; keep '{new}' only."
+                    )
+                renamed[new] = renamed.pop(old)
+        return renamed
+
+    @classmethod
+    def old_option_names(cls, options):
+        """Return the (old, new) name pairs of ``renamed_options`` that ``options`` (as configured) still uses."""
+        if not isinstance(options, dict):
+            return []
+        return [(old, new) for old, new in cls.renamed_options.items() if old in options]
 
     @classmethod
     def check_combination(cls, alias, options):
@@ -266,80 +325,154 @@ class BaseLockBackend:
     def token_is_safe(self):
         return SAFE_FENCING_TOKENS in self.capabilities
 
+    # -- errors: one idiom, one wording -----------------------------------------------------------
+
+    @contextmanager
+    def translate_errors(self, operation):
+        """Turn the client's failures inside the block into ``BackendUnavailable`` (see ``unavailable``).
+
+        ``operation`` says what the call was doing, as a verb phrase: "acquire lock 'orders'".
+        """
+        try:
+            yield
+        except BackendUnavailable:
+            raise
+        except self.client_errors as exc:
+            raise self.unavailable(operation, self._cause(exc)) from exc
+
+    def unavailable(self, operation, cause):
+        """Return the ``BackendUnavailable`` every backend raises: alias, server, operation and cause.
+
+        "Lock alias 'default' (Redis) could not acquire lock 'orders': Connection refused." The message is
+        redacted by ``BackendUnavailable`` itself.
+        """
+        return BackendUnavailable(f"Lock alias '{self.alias}' ({self.label}) could not {operation}: {cause}.")
+
+    def _cause(self, exc):
+        """Return the words for a client exception in ``unavailable``; backends add hints (TLS, ACLs)."""
+        return str(exc).rstrip(".") or type(exc).__name__
+
+    def require(self, capability, feature):
+        """Raise ``NotSupported`` naming this backend, the alias and the backends that have ``capability``."""
+        if capability not in self.capabilities:
+            raise NotSupported(
+                f"Lock alias '{self.alias}' ({self.label}) does not support {feature}; use an alias whose backend "
+                f"does: {', '.join(SUPPORTED_BY[capability])}."
+            )
+
     # -- acquiring -------------------------------------------------------------------------------
 
-    def acquire(self, name, *, ttl, timeout, blocking):
+    def acquire(self, name, *, ttl, timeout, blocking, auto_renew=False, max_hold=None):
         """Return a ``Lease`` on ``name``, waiting up to ``timeout`` seconds (None: forever) if blocking.
 
         Raise ``LockNotAcquired`` on a miss or timeout and ``BackendUnavailable`` if the server is down.
         """
-        attempt = Attempt(name=name, owner=new_owner(), ttl=ttl, blocking=blocking,
-                          deadline=None if timeout is None else time.monotonic() + timeout)
+        return self._acquire(name, None, ttl=ttl, timeout=timeout, blocking=blocking, auto_renew=auto_renew,
+                             max_hold=max_hold)
+
+    def acquire_shared(self, name, mode, *, ttl, timeout, blocking, auto_renew=False, max_hold=None):
+        """Return a ``Lease`` on the read/write lock ``name``: ``mode`` "read" (shared) or "write" (exclusive).
+
+        Raise ``NotSupported`` unless the backend declares ``READ_WRITE``.
+        """
+        self.require(READ_WRITE, "read/write locks (read_lock(), write_lock())")
+        if mode not in ("read", "write"):
+            raise ValueError(f'mode must be "read" or "write", got {mode!r}.')
+        return self._acquire(name, mode, ttl=ttl, timeout=timeout, blocking=blocking, auto_renew=auto_renew,
+                             max_hold=max_hold)
+
+    def _acquire(self, name, mode, *, ttl, timeout, blocking, auto_renew, max_hold):
+        attempt = Attempt(name=name, owner=new_owner(), ttl=ttl, blocking=blocking, timeout=timeout, mode=mode,
+                          deadline=None if timeout is None else time.monotonic() + timeout,
+                          auto_renew=auto_renew, max_hold=max_hold)
+        return self._call(functools.partial(self._acquire_loop, attempt), abandon=self._give_back)
+
+    def _acquire_loop(self, attempt, job):
+        """The one acquire loop: try, wait, try again until granted, refused or out of time.
+
+        Every exit without a lease gives up (``_give_up``), whatever the exception; every grant that
+        cannot be handed out (late, or ``_hold`` refused it) is given back (``_give_back_grant``).
+        """
+        attempt.job = job
         try:
             while True:
-                started = time.monotonic()
+                if job.cancelled:
+                    raise Abandoned(attempt.name)
                 attempt.retry_after = None
+                started = time.monotonic()
                 grant = self._try_acquire(attempt)
                 attempt.tries += 1
                 if grant is not None:
-                    lease = self.make_lease(name, attempt.owner, ttl, started, grant)
-                    if lease.remaining() > 0:
-                        lease.attempts = attempt.tries
+                    lease = self.make_lease(attempt, started, grant)
+                    late = lease.remaining() <= 0
+                    if not late and self._hold(lease, attempt):
                         return lease
-                    # Late (a pause, a slow server): another owner may hold the lock by now.
-                    self._do_release(lease)
-                    attempt.late_grants += 1
-                    refuse_after_late_grants(attempt.late_grants, self.alias, name, ttl)
+                    # Late (a pause, a slow server): another owner may hold the lock by now. Or the
+                    # backend refused to hold it (its session ended meanwhile). Never hand it out.
+                    self._give_back_grant(lease, attempt)
+                    if late:
+                        attempt.late_grants += 1
+                        refuse_after_late_grants(attempt.late_grants, self.alias, attempt.name, attempt.ttl)
+                    if attempt.deadline is not None and time.monotonic() >= attempt.deadline:
+                        raise LockNotAcquired(self.not_acquired_message(
+                            attempt, "its grant came back after its ttl had run out, or after its session ended"))
                     continue
-                remaining = None if attempt.deadline is None else attempt.deadline - time.monotonic()
-                if not blocking or (remaining is not None and remaining <= 0):
-                    raise LockNotAcquired(self._not_acquired_message(name, blocking, timeout))
-                self._wait_for_release(attempt, remaining)
-        except LockNotAcquired:
-            self._give_up(attempt)
+                if attempt.out_of_time():
+                    raise LockNotAcquired(self.not_acquired_message(attempt))
+                self._wait_for_release(attempt, attempt.remaining())
+        except BaseException as exc:
+            self._give_up(attempt, exc)
             raise
 
-    def _not_acquired_message(self, name, blocking, timeout):
-        how = "it is held (non-blocking attempt)" if not blocking else f"still held after {timeout:g}s"
-        return f"Lock {name!r} on alias '{self.alias}' not acquired: {how}."
+    def not_acquired_message(self, attempt, why=None):
+        """The one ``LockNotAcquired`` message: the lock, the alias, and why (held, or ``why``)."""
+        if why is None:
+            why = ("it is held (non-blocking attempt)" if not attempt.blocking
+                   else f"still held after {attempt.timeout:g}s")
+        return f"Lock {attempt.name!r} on alias '{self.alias}' not acquired: {why}."
 
-    def make_lease(self, name, owner, ttl, started, grant):
-        """Return the ``Lease`` for ``grant``; validity counts from ``started``, before the request was sent.
+    def make_lease(self, attempt, started, grant):
+        """Return the whole ``Lease`` for ``grant`` (renewal included); validity counts from ``started``.
 
-        A token that does not fit below ``TOKEN_EPOCH`` is no fencing token: the grant is given back.
+        ``started`` is when the granting request was sent. A token that does not fit below
+        ``TOKEN_EPOCH`` is no fencing token: the grant is given back and ``BackendUnavailable`` raised.
         """
         token = self.public_token(grant.token)
         lease = Lease(
-            backend=self, name=name, owner=owner, token=grant.token if token is None else token, ttl=ttl,
-            started=started, validity=ttl if grant.validity is None else grant.validity,
+            backend=self, name=attempt.name, owner=attempt.owner, token=grant.token if token is None else token,
+            ttl=attempt.ttl, started=started, validity=attempt.ttl if grant.validity is None else grant.validity,
             acquired_at=grant.acquired_at, handle=grant.handle, session_timeout=grant.session_timeout,
+            attempts=attempt.tries, auto_renew=attempt.auto_renew, max_hold=attempt.max_hold,
         )
         if token is None:
             try:
-                self._do_release(lease)
+                self._give_back_grant(lease, attempt)
             finally:
                 raise BackendUnavailable(
-                    f"Lock {name!r} on alias '{self.alias}' was given back: the server issued token {grant.token}, "
-                    f"which does not fit below TOKEN_EPOCH {self._token_epoch} (tokens below 2**{EPOCH_SHIFT}); "
-                    f"leave DISTLOCK['{self.alias}']['OPTIONS']['TOKEN_EPOCH'] out for this server."
+                    f"Lock {attempt.name!r} on alias '{self.alias}' was given back: the server issued token "
+                    f"{grant.token}, which does not fit below TOKEN_EPOCH {self._token_epoch} (tokens below "
+                    f"2**{EPOCH_SHIFT}); leave DISTLOCK['{self.alias}']['OPTIONS']['TOKEN_EPOCH'] out for this server."
                 )
         return lease
 
+    # The hooks of the acquire loop.
+
+    def _call(self, fn, *, abandon=None):
+        """Return ``fn(job)``. Backends whose client an interrupt can break run it elsewhere (``offload``).
+
+        ``abandon(value)`` gives back what ``fn`` returned if the caller was interrupted and left.
+        """
+        return fn(INLINE)
+
     def _try_acquire(self, attempt):
-        """Try once; return a ``Grant``, or None if another owner holds the lock.
+        """Try once; return a ``Grant``, or None if another owner holds the lock (or the try must be repeated).
 
         ``attempt.deadline`` (monotonic, or None) bounds how long the network call may take. The record
         on the server carries ``attempt.owner`` and ``distlock.holder.current_holder()`` (host, pid,
-        task id). A refused try may set ``attempt.retry_after`` for the wait that follows.
+        task id). A refused try may set ``attempt.retry_after``, or keep its place in a queue in
+        ``attempt.place``, for the wait that follows.
         """
-        raise NotImplementedError("subclasses of BaseLockBackend must provide _try_acquire()")
-
-    def _give_up(self, attempt):
-        """Undo what the tries of a call that missed or timed out left on the server (a place in a queue).
-
-        Not called when the server failed (``BackendUnavailable``): talking to it again would stretch
-        the caller's timeout, so such leftovers must expire on their own.
-        """
+        raise NotImplementedError(f"{type(self).__name__} must provide _try_acquire()")
 
     def _wait_for_release(self, attempt, remaining):
         """Block until the lock may be free again, at most ``remaining`` seconds (None: no limit).
@@ -352,6 +485,31 @@ class BaseLockBackend:
             delay = min(delay, remaining)
         time.sleep(max(delay, 0))
 
+    def _hold(self, lease, attempt):
+        """Register a granted, timely lease with the backend; return False if it cannot be held after all.
+
+        Session backends refuse a grant whose session ended before it was registered.
+        """
+        return True
+
+    def _give_back_grant(self, lease, attempt):
+        """Delete the record of a grant that will not be handed out (late, refused by ``_hold``)."""
+        self._do_release(lease)
+
+    def _give_up(self, attempt, reason):
+        """Withdraw what the tries of an attempt leaving without the lock left on the server (a place in a queue).
+
+        ``reason`` is the exception the attempt ends with. Must not block for long: after
+        ``BackendUnavailable`` talking to the server again would stretch the caller's timeout, so such
+        leftovers are deleted in the background or expire on their own.
+        """
+
+    def _give_back(self, lease):
+        """Release a lease granted to a caller that was interrupted before it could take it."""
+        logger.info("Releasing lock %r (alias %r, token %s): the call that acquired it was interrupted.",
+                    lease.name, self.alias, lease.token)
+        self._do_release(lease)
+
     # -- holding -------------------------------------------------------------------------------
 
     def release(self, lease):
@@ -359,14 +517,15 @@ class BaseLockBackend:
         return self._do_release(lease)
 
     def _do_release(self, lease):
-        raise NotImplementedError("subclasses of BaseLockBackend must provide _do_release()")
+        """Release ``lease``; by default ``release_owned(lease.name, lease.owner)``."""
+        return self.release_owned(lease.name, lease.owner)
 
     def extend(self, lease, ttl):
         """Make the lock expire ``ttl`` seconds from now if ``lease`` still owns it; return False if lost."""
         return self._do_extend(lease, ttl)
 
     def _do_extend(self, lease, ttl):
-        raise NotImplementedError("subclasses of BaseLockBackend must provide _do_extend()")
+        raise NotImplementedError(f"{type(self).__name__} must provide _do_extend()")
 
     def session_valid_until(self, lease):
         """Return the ``time.monotonic()`` after which ``lease``'s session may be gone on the server, or None.
@@ -387,11 +546,28 @@ class BaseLockBackend:
 
     def held_locks(self, prefix=""):
         """Return the ``LockInfo`` of every lock currently held whose name starts with ``prefix``."""
-        raise NotImplementedError("subclasses of BaseLockBackend must provide held_locks()")
+        raise NotImplementedError(f"{type(self).__name__} must provide held_locks()")
+
+    def release_owned(self, name, owner):
+        """Delete lock ``name`` only if ``owner`` still holds it (compare-and-delete); return True if deleted.
+
+        A lease's release and an operator's release (admin, ``distlock release``) both end here.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must provide release_owned()")
 
     def force_release(self, name, owner):
-        """Delete lock ``name`` only if ``owner`` still holds it (an operator's action); return True if deleted."""
-        raise NotImplementedError("subclasses of BaseLockBackend must provide force_release()")
+        """Deprecated name of ``release_owned`` (it always compared the owner); removed in distlock 2.0."""
+        warnings.warn(f"{type(self).__name__}.force_release() is deprecated; call release_owned().",
+                      DeprecationWarning, stacklevel=2)
+        return self.release_owned(name, owner)
+
+    def lock_info(self, name, record, *, token, owner=None, acquired_at=None, expires_at=None):
+        """Return the ``LockInfo`` of lock ``name`` from its holder ``record`` (``read_holder_record``)."""
+        return LockInfo(
+            alias=self.alias, name=name, owner=record["owner"] if owner is None else owner,
+            token=self.public_token(token), acquired_at=acquired_at, expires_at=expires_at,
+            host=record["host"], pid=record["pid"], task_id=record["task_id"],
+        )
 
     def foreign_records(self):
         """Return a description of each record under this alias's namespace that the lock protocol ignores.
@@ -403,7 +579,7 @@ class BaseLockBackend:
 
     def ping(self):
         """Make one round trip to the server; raise ``BackendUnavailable`` if it does not answer."""
-        raise NotImplementedError("subclasses of BaseLockBackend must provide ping()")
+        raise NotImplementedError(f"{type(self).__name__} must provide ping()")
 
     def close(self):
         """Release connections and sessions; held leases on session backends are lost."""

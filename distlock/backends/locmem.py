@@ -1,14 +1,15 @@
 """In-process locks, for unit tests and single-process development: they exclude nobody in another process."""
 
-import dataclasses
 import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
-from distlock.backends.base import NOTIFICATIONS, SAFE_FENCING_TOKENS, BaseLockBackend, Grant, LockInfo
-from distlock.holder import current_holder
+from distlock.backends.base import NOTIFICATIONS, SAFE_FENCING_TOKENS, BaseLockBackend, Grant
+from distlock.holder import Holder, current_holder
 from distlock.waiting import Wakeups
+
+__all__ = ["LocMemBackend"]
 
 # Like Django's locmem cache: one store per alias, shared by every backend instance of that alias in
 # this process, so a backend rebuilt after a settings change still sees the locks and the token.
@@ -21,7 +22,9 @@ class _Record:
     owner: str
     token: int
     expires: float  # time.monotonic()
-    info: LockInfo
+    acquired_at: datetime
+    #: The holder's host, pid and task id, for ``lock_info``.
+    holder: Holder
 
 
 class _Store:
@@ -42,6 +45,7 @@ class LocMemBackend(BaseLockBackend):
     shared database then refuse an older process's holders, not every holder of a newer process.
     """
 
+    label = "locmem"
     capabilities = frozenset({SAFE_FENCING_TOKENS, NOTIFICATIONS})
 
     def __init__(self, alias, options):
@@ -64,13 +68,9 @@ class LocMemBackend(BaseLockBackend):
             if self._live(name, now) is not None:
                 return None
             store.last_token = max(store.last_token + 1, time.time_ns() // 1000)
-            holder = current_holder()
-            grant = Grant(token=store.last_token)
-            store.locks[name] = _Record(owner, store.last_token, now + ttl, LockInfo(
-                alias=self.alias, name=name, owner=owner, token=self.public_token(store.last_token),
-                acquired_at=datetime.now(timezone.utc), host=holder.host, pid=holder.pid, task_id=holder.task_id,
-            ))
-            return grant
+            store.locks[name] = _Record(owner, store.last_token, now + ttl, datetime.now(timezone.utc),
+                                        current_holder())
+            return Grant(token=store.last_token)
 
     def _wait_for_release(self, attempt, remaining):
         store = self._store
@@ -84,20 +84,6 @@ class LocMemBackend(BaseLockBackend):
         wait = wait if remaining is None else min(wait, remaining)
         store.released.wait_for(lambda: store.releases != releases, wait)
 
-    def _delete_if_owner(self, name, owner):
-        store = self._store
-        with store.lock:
-            record = self._live(name, time.monotonic())
-            if record is None or record.owner != owner:
-                return False
-            del store.locks[name]
-            store.releases += 1
-        store.released.notify_all()
-        return True
-
-    def _do_release(self, lease):
-        return self._delete_if_owner(lease.name, lease.owner)
-
     def _do_extend(self, lease, ttl):
         with self._store.lock:
             record = self._live(lease.name, time.monotonic())
@@ -110,13 +96,22 @@ class LocMemBackend(BaseLockBackend):
         with self._store.lock:
             now, wall_now = time.monotonic(), datetime.now(timezone.utc)
             return [
-                dataclasses.replace(r.info, expires_at=wall_now + timedelta(seconds=r.expires - now))
+                self.lock_info(name, vars(r.holder), owner=r.owner, token=r.token, acquired_at=r.acquired_at,
+                               expires_at=wall_now + timedelta(seconds=r.expires - now))
                 for name, r in list(self._store.locks.items())
                 if name.startswith(prefix) and self._live(name, now) is not None
             ]
 
-    def force_release(self, name, owner):
-        return self._delete_if_owner(name, owner)
+    def release_owned(self, name, owner):
+        store = self._store
+        with store.lock:
+            record = self._live(name, time.monotonic())
+            if record is None or record.owner != owner:
+                return False
+            del store.locks[name]
+            store.releases += 1
+        store.released.notify_all()
+        return True
 
     def ping(self):
         return None

@@ -26,7 +26,20 @@ import signal
 import threading
 from functools import partial
 
-logger = logging.getLogger("distlock.backends")
+from distlock.backends.green import Daemon
+
+__all__ = [
+    "Abandoned",
+    "GreenRunner",
+    "IDLE_RUNNERS",
+    "Inline",
+    "Job",
+    "Offloader",
+    "ThreadRunner",
+    "signals_can_raise",
+]
+
+logger = logging.getLogger(__name__)
 
 #: Idle runner threads kept per backend for main-thread callers.
 IDLE_RUNNERS = 2
@@ -114,7 +127,8 @@ class ThreadRunner:
         self._idle = []  # inboxes of idle workers
         self._stopped = False
         self._count = 0
-        threading.Thread(target=self._dispatch, name=f"{name}:dispatch", daemon=True).start()
+        # Started by an interruptible caller: a ``Daemon`` does not wait for the thread to run.
+        Daemon(self._dispatch, name=f"{name}:dispatch").start()
 
     def submit(self, job):
         self._jobs.put(job)

@@ -26,50 +26,41 @@ once: use ``FencedModel``) but never the token order, as long as the server cloc
 
 import collections
 import inspect
-import json
 import logging
 import math
-import os
 import threading
 import time
 from datetime import datetime, timedelta, timezone
-from hashlib import sha1
 
 import redis
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
-from distlock.backends.base import (
-    NOTIFICATIONS,
-    SAFE_FENCING_TOKENS,
-    BaseLockBackend,
-    Grant,
-    LockInfo,
-    Option,
-    positive_number,
-)
-from distlock.backends.redis_servers import redis_server, tls_problem, unsecured
-from distlock.exceptions import BackendUnavailable
-from distlock.holder import holder_record
+from distlock.backends import _redis
+from distlock.backends.base import NOTIFICATIONS, SAFE_FENCING_TOKENS, BaseLockBackend, Grant
+from distlock.backends.deadlines import request_seconds
+from distlock.backends.options import Option, positive_number
+from distlock.backends.redis_servers import redis_server, unsecured, url_problem
+from distlock.exceptions import BackendUnavailable, LockNotAcquired
+from distlock.holder import holder_record, read_holder_record
 from distlock.redaction import redact
 
-logger = logging.getLogger("distlock.redis")
+logger = logging.getLogger(__name__)
 
-# Shared by the scripts below. Times come from the server's clock (TIME), so every expiry and every
-# token is judged on one clock, never the clients'. The uncontended path reads no queue beyond one
-# EXISTS: a queue key exists only while somebody waits.
+__all__ = ["RedisBackend"]
+
+# Shared by the scripts below, after ``_redis.LUA_CLOCK``. The uncontended path reads no queue beyond
+# one EXISTS: a queue key exists only while somebody waits.
 #
-# clock: return the server time in µs and in ms.
+# held_by: whether the lock value ``value`` (or nil) is ``owner``'s.
 # prune: drop the waiters whose entry expired (they died, or gave up without saying so), 100 at a
 #   time so a script never unpacks an unbounded list; return how many it dropped.
 # wake: give waiter ``owner`` at most one pending wake-up; it expires with the waiter's entry.
 # head: the first waiter in FIFO order, or nil.
 # wake_head: after the lock was freed, wake the first live waiter, if anybody queues.
 _LUA_HELPERS = """
-local function clock()
-  local time = redis.call('TIME')
-  local now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
-  return now_us, math.floor(now_us / 1000)
+local function held_by(value, owner)
+  return value and string.sub(value, 1, #owner + 1) == owner .. '\\n'
 end
 
 local function prune(queue, alive, now_ms)
@@ -104,6 +95,7 @@ local function wake_head(queue, alive, wake_prefix, waiter_ttl)
   end
 end
 """
+_HELPERS = (_redis.LUA_CLOCK, _LUA_HELPERS)
 
 # Acquire, in one round trip.
 # KEYS: 1 lock, 2 token counter, 3 queue, 4 alive, 5 wake-key prefix (``<prefix>:wake:N:``).
@@ -118,7 +110,7 @@ end
 #   its reply was lost) reports the first grant again instead of waiting for itself.
 # Returns: {1, token, acquired_us} granted; {0, ms} not granted, retry within ms at the latest (the
 #   holder's remaining ttl, or how long the head waiter's entry has left to live).
-ACQUIRE_SCRIPT = _LUA_HELPERS + """
+ACQUIRE = _redis.Script("acquire", """
 local owner, waiter_ttl = ARGV[1], tonumber(ARGV[5])
 local now_us, now_ms = clock()
 local function queue_up()
@@ -131,11 +123,10 @@ local function queue_up()
 end
 
 local current = redis.call('GET', KEYS[1])
-if current then
-  if string.sub(current, 1, #owner + 1) == owner .. '\\n' then
-    local token, acquired = string.match(current, '\\n(%d+)\\n(%d+)\\n')
-    return {1, tonumber(token), tonumber(acquired)}
-  end
+if held_by(current, owner) then
+  local token, acquired = string.match(current, '\\n(%d+)\\n(%d+)\\n')
+  return {1, tonumber(token), tonumber(acquired)}
+elseif current then
   queue_up()
   return {0, redis.call('PTTL', KEYS[1])}
 end
@@ -164,42 +155,40 @@ if queued then
   redis.call('DEL', KEYS[5] .. owner)
 end
 return {1, token, now_us}
-"""
+""", helpers=_HELPERS)
 
-# Release (compare-and-delete), also the operator's force release.
+# Release (compare-and-delete), also the operator's release.
 # KEYS: 1 lock, 2 queue, 3 alive, 4 wake-key prefix. ARGV: 1 owner, 2 waiter entry ttl in ms.
 # Invariant: deletes the lock only while ``owner`` holds it, never another holder's; then wakes the
 #   live head of the queue, the only waiter the lock may go to.
 # Returns: 1 deleted, 0 not held by ``owner`` (released already, expired, or taken over).
-RELEASE_SCRIPT = _LUA_HELPERS + """
-local current = redis.call('GET', KEYS[1])
-if not current or string.sub(current, 1, #ARGV[1] + 1) ~= ARGV[1] .. '\\n' then
+RELEASE = _redis.Script("release", """
+if not held_by(redis.call('GET', KEYS[1]), ARGV[1]) then
   return 0
 end
 redis.call('DEL', KEYS[1])
 wake_head(KEYS[2], KEYS[3], KEYS[4], ARGV[2])
 return 1
-"""
+""", helpers=_HELPERS)
 
 # Extend (compare-and-extend), for renewal.
 # KEYS: 1 lock. ARGV: 1 owner, 2 ttl in ms.
 # Invariant: moves the expiry only while ``owner`` holds the lock; a lost lock stays lost.
 # Returns: 1 extended, 0 not held by ``owner``.
-EXTEND_SCRIPT = """
-local current = redis.call('GET', KEYS[1])
-if not current or string.sub(current, 1, #ARGV[1] + 1) ~= ARGV[1] .. '\\n' then
+EXTEND = _redis.Script("extend", """
+if not held_by(redis.call('GET', KEYS[1]), ARGV[1]) then
   return 0
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
-"""
+""", helpers=_HELPERS)
 
 # Leave the queue: a blocking acquire that timed out gives its place up at once instead of
 # blocking a free lock until its entry expires.
 # KEYS: 1 lock, 2 queue, 3 alive, 4 wake-key prefix. ARGV: 1 owner, 2 waiter entry ttl in ms.
 # Invariant: if the caller headed the queue of a free lock, the next live waiter is woken.
 # Returns: 1 if the caller was queued, else 0.
-LEAVE_SCRIPT = _LUA_HELPERS + """
+LEAVE = _redis.Script("leave", """
 redis.call('DEL', KEYS[4] .. ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
 if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then
@@ -209,60 +198,21 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
   wake_head(KEYS[2], KEYS[3], KEYS[4], ARGV[2])
 end
 return 1
-"""
+""", helpers=_HELPERS)
 
 #: Seconds a waiter's queue entry lives without a refresh: how long a waiter that died can delay the others.
 WAITER_TTL = 2.0
+_WAITER_TTL_MS = int(WAITER_TTL * 1000)
 #: Longest a waiter blocks before it refreshes its entry by trying again.
 WAITER_REFRESH = WAITER_TTL / 3
-#: Shortest network timeout of a call near the caller's deadline: a server that answers in time is
-#: not reported down because the deadline was a millisecond away.
-MIN_CALL_TIMEOUT = 0.1
 #: Keys fetched per ``SCAN`` round trip in ``held_locks()``.
 SCAN_COUNT = 500
 #: Most idle connections an alias with its own pool (``URL``) keeps between calls; more go back to
 #: the pool. A ``CACHE`` alias keeps none: the cache's pool gets every connection back after each call.
 MAX_IDLE = 8
 
-#: Server errors meaning "this server cannot take locks now" (-> ``BackendUnavailable``); any other
-#: error reply is a bug or a foreign key under our prefix (-> ``RuntimeError``).
-_UNUSABLE_SERVER_REPLIES = ("OOM", "MISCONF", "READONLY", "read only replica", "NOREPLICAS", "BUSY", "LOADING",
-                            "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "NOPERM", "NOAUTH", "WRONGPASS")
-#: The codes of those errors by redis-py's class: before redis-py 5 an error reply's code ("OOM",
-#: "READONLY", ...) went into the class and out of the message, and there is no ``status_code``.
-_UNUSABLE_SERVER_ERRORS = {getattr(redis.exceptions, name): code for name, code in (
-    ("OutOfMemoryError", "OOM"), ("ReadOnlyError", "READONLY"), ("BusyLoadingError", "LOADING"),
-    ("NoPermissionError", "NOPERM"), ("MasterDownError", "MASTERDOWN"), ("TryAgainError", "TRYAGAIN"),
-    ("AuthenticationError", "NOAUTH")) if hasattr(redis.exceptions, name)}
-
-
-class _Script:
-    """A Lua script run with ``EVALSHA``, falling back to ``EVAL`` (which caches it) after a restart."""
-
-    def __init__(self, name, source):
-        self.name = name
-        self.source = source
-        self.sha = sha1(source.encode()).hexdigest()
-
-
-_ACQUIRE = _Script("acquire", ACQUIRE_SCRIPT)
-_RELEASE = _Script("release", RELEASE_SCRIPT)
-_EXTEND = _Script("extend", EXTEND_SCRIPT)
-_LEAVE = _Script("leave", LEAVE_SCRIPT)
-
-
-#: What redis-py reports when a plain connection meets a TLS-only port (the server drops it).
-_PLAIN_ON_TLS = ("reset by peer", "Connection closed by server")
-
-#: redis-py's TLS keyword arguments, given in a ``rediss://`` URL's query (``from_url`` passes them on).
-TLS_PARAMETERS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname",
-                  "ssl_ca_path", "ssl_password")
-
-
-def _url_problem(value):
-    if not value.startswith(("redis://", "rediss://", "unix://")):
-        return "must be a redis://, rediss:// or unix:// URL"
-    return tls_problem(value)
+#: The options a ``CACHE`` alias leaves to its cache, by their django-redis names there.
+_CACHE_OWNS = {"REQUEST_TIMEOUT": "SOCKET_TIMEOUT", "SOCKET_CONNECT_TIMEOUT": "SOCKET_CONNECT_TIMEOUT"}
 
 
 def _text(value):
@@ -274,29 +224,31 @@ class RedisBackend(BaseLockBackend):
 
     Options: ``URL`` (a redis:// URL) or ``CACHE`` (the alias of a django-redis cache in ``CACHES``,
     whose connection pool is reused; its socket timeouts then come from that cache), ``KEY_PREFIX``,
-    ``SOCKET_TIMEOUT`` and ``SOCKET_CONNECT_TIMEOUT`` (seconds, with ``URL`` only).
+    ``REQUEST_TIMEOUT`` and ``SOCKET_CONNECT_TIMEOUT`` (seconds, with ``URL`` only).
 
     TLS and ACL users are the URL's, as redis-py's ``from_url`` reads them:
     ``rediss://user:password@host:port/db?ssl_ca_certs=/ca.crt&ssl_certfile=...&ssl_keyfile=...&ssl_cert_reqs=required``.
 
-    Every call is bounded in time (by the socket timeout, and by the caller's deadline while
+    Every request is bounded in time (``REQUEST_TIMEOUT``, cut to the caller's deadline while
     waiting), so a server that is down or frozen gives ``BackendUnavailable``, never a hang.
     """
 
+    label = "Redis"
     capabilities = frozenset({SAFE_FENCING_TOKENS, NOTIFICATIONS})
+    client_errors = _redis.CLIENT_ERRORS
+    renamed_options = {"SOCKET_TIMEOUT": "REQUEST_TIMEOUT"}
 
     options = {
-        "URL": Option(str, None, check=_url_problem, expected="a redis:// URL"),
+        "URL": Option(str, None, check=url_problem, expected="a redis:// URL"),
         "CACHE": Option(str, None, expected="the alias of a django-redis cache in CACHES"),
-        "KEY_PREFIX": Option(str, "distlock", check=lambda v: None if v else "must not be empty",
-                             expected="a str"),
-        "SOCKET_TIMEOUT": Option((int, float), None, check=positive_number, expected="a number of seconds"),
+        "KEY_PREFIX": _redis.KEY_PREFIX_OPTION,
+        "REQUEST_TIMEOUT": Option((int, float), None, check=positive_number, expected="a number of seconds"),
         "SOCKET_CONNECT_TIMEOUT": Option((int, float), None, check=positive_number,
                                          expected="a number of seconds"),
     }
 
-    #: Socket timeouts of a ``URL`` connection pool when the options leave them out (seconds).
-    default_socket_timeout = 2.0
+    #: ``REQUEST_TIMEOUT`` and ``SOCKET_CONNECT_TIMEOUT`` of a ``URL`` alias that leaves them out (seconds).
+    default_request_timeout = 2.0
     default_socket_connect_timeout = 2.0
 
     @classmethod
@@ -310,11 +262,11 @@ class RedisBackend(BaseLockBackend):
         cache = options["CACHE"]
         if cache is None:
             return
-        for name in ("SOCKET_TIMEOUT", "SOCKET_CONNECT_TIMEOUT"):
+        for name, cache_name in _CACHE_OWNS.items():
             if options[name] is not None:
                 raise ImproperlyConfigured(
                     f"{where}['{name}'] cannot be combined with 'CACHE': the pool belongs to the cache; "
-                    f"set it in CACHES['{cache}']['OPTIONS']['{name}'] instead."
+                    f"set CACHES['{cache}']['OPTIONS']['{cache_name}'] instead."
                 )
         caches = getattr(settings, "CACHES", {})
         if cache not in caches:
@@ -354,7 +306,7 @@ class RedisBackend(BaseLockBackend):
         self._connections = None
         self._connections_lock = threading.Lock()
 
-    # -- connections ------------------------------------------------------------------------------
+    # -- connections and errors -----------------------------------------------------------------
 
     @property
     def pool(self):
@@ -370,7 +322,7 @@ class RedisBackend(BaseLockBackend):
 
     def _make_pool(self):
         if self.settings["URL"] is not None:
-            timeout = self.settings["SOCKET_TIMEOUT"] or self.default_socket_timeout
+            timeout = self.settings["REQUEST_TIMEOUT"] or self.default_request_timeout
             connect = self.settings["SOCKET_CONNECT_TIMEOUT"] or self.default_socket_connect_timeout
             return redis.ConnectionPool.from_url(self.settings["URL"], socket_timeout=timeout,
                                                  socket_connect_timeout=connect)
@@ -384,52 +336,38 @@ class RedisBackend(BaseLockBackend):
                 "which is not a django-redis cache (BACKEND 'django_redis.cache.RedisCache')."
             ) from exc
 
-    def _call_timeout(self, deadline):
-        """Seconds a call may take: the socket timeout, shortened to the caller's deadline if sooner."""
+    def _request_seconds(self, deadline=None):
+        """Seconds one request may take: the pool's socket timeout (``REQUEST_TIMEOUT``), cut to ``deadline``."""
         timeout = self._get_connections().socket_timeout
-        if deadline is None:
-            return timeout
-        remaining = max(deadline - time.monotonic(), MIN_CALL_TIMEOUT)
-        return remaining if timeout is None else min(timeout, remaining)
+        return request_seconds(timeout, deadline, minimum=_redis.MIN_REQUEST_SECONDS)
 
-    def _translate(self, exc, operation):
-        """Return the exception to raise for redis-py's ``exc``: the one place where its errors are mapped.
+    def _cause(self, exc):
+        return _redis.failure_cause(exc, self.settings["URL"])
 
-        Fail closed: a server that cannot be reached or cannot take locks now is ``BackendUnavailable``;
-        any other error reply is a bug, or a foreign key under our prefix.
+    def _raise_error_reply(self, error, operation):
+        """Raise the error reply ``error``, as ``RuntimeError`` unless the server cannot take locks now.
+
+        A server that refuses because of its state (``refusal_code``: out of memory, read-only, ACL)
+        is down for distlock, and ``translate_errors`` makes it ``BackendUnavailable``; any other
+        error reply is a bug, or another program's key under our prefix.
         """
-        message = redact(exc)
-        if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, OSError)):
-            hint = ""
-            url = self.settings["URL"]
-            if url is not None and url.startswith("redis://") and any(s in message for s in _PLAIN_ON_TLS):
-                hint = " (if the server takes TLS connections only, use a rediss:// URL)"
-            return BackendUnavailable(f"Redis of lock alias '{self.alias}' failed during {operation}: {message}{hint}")
-        status = getattr(exc, "status_code", None) or _UNUSABLE_SERVER_ERRORS.get(type(exc), "")
-        if any(reply in message or reply == status for reply in _UNUSABLE_SERVER_REPLIES):
-            return BackendUnavailable(f"Redis of lock alias '{self.alias}' refused {operation}: {status} {message}")
-        return RuntimeError(
-            f"Redis refused distlock's {operation} on alias '{self.alias}': {message}; is another "
-            f"program writing keys under KEY_PREFIX '{self._prefix}'?"
-        )
+        if _redis.refusal_code(error) is not None:
+            raise error
+        raise RuntimeError(
+            f"Redis refused distlock's request to {operation} on alias '{self.alias}': {redact(error)}; is "
+            f"another program writing keys under KEY_PREFIX '{self._prefix}'?"
+        ) from error
 
-    def _execute(self, *command, timeout, operation, script=None):
-        """Send one command and return its reply, waiting at most ``timeout`` seconds for it."""
-        connections = self._get_connections()
-        try:
-            try:
-                return connections.call(_pack(command), timeout)
-            except redis.exceptions.NoScriptError:
-                if script is None:
-                    raise
-            # The server forgot the script (a restart, SCRIPT FLUSH): EVAL runs it and caches it again.
-            return connections.call(_pack(("EVAL", script.source, *command[2:])), timeout)
-        except (redis.RedisError, OSError) as exc:
-            raise self._translate(exc, operation) from exc
+    def _execute(self, command, *, operation, timeout):
+        """Return the reply to ``command``, waiting at most ``timeout`` seconds for it."""
+        with self.translate_errors(operation):
+            (reply,) = self._get_connections().exchange([command], timeout)
+            if isinstance(reply, redis.ResponseError):
+                self._raise_error_reply(reply, operation)
+            return reply
 
-    def _run(self, script, keys, args, *, deadline=None):
-        return self._execute("EVALSHA", script.sha, len(keys), *keys, *args, timeout=self._call_timeout(deadline),
-                             operation=f"the {script.name} script", script=script)
+    def _run(self, script, keys, args, *, operation, deadline=None):
+        return self._execute(script.command(keys, args), operation=operation, timeout=self._request_seconds(deadline))
 
     def _keys(self, name):
         """Return the lock, queue, alive and wake-prefix keys of lock ``name``."""
@@ -439,19 +377,22 @@ class RedisBackend(BaseLockBackend):
 
     # -- acquiring ---------------------------------------------------------------------------------
 
-    def _give_up(self, attempt):
-        """A waiter whose timeout ran out gives its place in the queue up at once (else it expires)."""
-        if attempt.blocking and attempt.tries:
+    def _give_up(self, attempt, reason):
+        """A waiter whose timeout ran out gives its place in the queue up at once (else it expires).
+
+        Only on a timeout: after any other exception (the server failed, the caller was interrupted)
+        one more request would stretch the caller's wait, and the entry expires within ``WAITER_TTL``.
+        """
+        if isinstance(reason, LockNotAcquired) and attempt.blocking and attempt.tries:
             self._leave_queue(attempt.name, attempt.owner)
 
     def _try_acquire(self, attempt):
-        name, owner, ttl, blocking = attempt.name, attempt.owner, attempt.ttl, attempt.blocking
-        lock, queue, alive, wake = self._keys(name)
-        metadata = holder_record()
-        reply = self._run(_ACQUIRE, (lock, self._token_key, queue, alive, wake),
-                          (owner, math.ceil(ttl * 1000), metadata, "1" if blocking else "0",
-                           int(WAITER_TTL * 1000)),
-                          deadline=None if not blocking else attempt.deadline)
+        lock, queue, alive, wake = self._keys(attempt.name)
+        reply = self._run(ACQUIRE, (lock, self._token_key, queue, alive, wake),
+                          (attempt.owner, math.ceil(attempt.ttl * 1000), holder_record(),
+                           "1" if attempt.blocking else "0", _WAITER_TTL_MS),
+                          operation=f"acquire lock {attempt.name!r}",
+                          deadline=attempt.deadline if attempt.blocking else None)
         if reply[0] != 1:
             attempt.retry_after = reply[1] / 1000
             return None
@@ -474,84 +415,73 @@ class RedisBackend(BaseLockBackend):
             return
         pause = max(pause, 0.001)  # BLPOP's timeout 0 would mean forever
         wake_key = self._keys(attempt.name)[3] + attempt.owner
-        deadline = None if remaining is None else time.monotonic() + remaining
-        call_timeout = self._call_timeout(deadline)
-        self._execute("BLPOP", wake_key, f"{pause:.3f}",
-                      timeout=None if call_timeout is None else pause + call_timeout,
-                      operation="waiting for a release")
+        timeout = self._request_seconds(None if remaining is None else time.monotonic() + remaining)
+        self._execute(("BLPOP", wake_key, f"{pause:.3f}"), operation=f"wait for lock {attempt.name!r}",
+                      timeout=None if timeout is None else pause + timeout)
 
     def _leave_queue(self, name, owner):
         lock, queue, alive, wake = self._keys(name)
         try:
-            self._run(_LEAVE, (lock, queue, alive, wake), (owner, int(WAITER_TTL * 1000)))
+            self._run(LEAVE, (lock, queue, alive, wake), (owner, _WAITER_TTL_MS),
+                      operation=f"leave the queue of lock {name!r}")
         except BackendUnavailable as exc:
             # The caller's answer is still "not acquired"; the entry expires on its own within WAITER_TTL.
-            logger.warning("Could not leave the queue of lock %r (alias %r): %s", name, self.alias, exc)
+            logger.warning("%s Its queue entry expires within %gs.", exc, WAITER_TTL)
 
     # -- holding -------------------------------------------------------------------------------
 
-    def _execute_release(self, name, owner):
+    def release_owned(self, name, owner):
         lock, queue, alive, wake = self._keys(name)
-        return self._run(_RELEASE, (lock, queue, alive, wake), (owner, int(WAITER_TTL * 1000))) == 1
-
-    def _do_release(self, lease):
-        return self._execute_release(lease.name, lease.owner)
+        return self._run(RELEASE, (lock, queue, alive, wake), (owner, _WAITER_TTL_MS),
+                         operation=f"release lock {name!r}") == 1
 
     def _do_extend(self, lease, ttl):
         # An extension that cannot answer before the lease runs out is worth nothing: bound it so
         # renewal reports a frozen server while the lease is still valid.
-        deadline = time.monotonic() + lease.remaining()
-        return self._run(_EXTEND, (self._keys(lease.name)[0],), (lease.owner, math.ceil(ttl * 1000)),
-                         deadline=deadline) == 1
+        return self._run(EXTEND, (self._keys(lease.name)[0],), (lease.owner, math.ceil(ttl * 1000)),
+                         operation=f"extend lock {lease.name!r}", deadline=time.monotonic() + lease.remaining()) == 1
 
     # -- operating -----------------------------------------------------------------------------
 
     def held_locks(self, prefix=""):
         """Return every held lock whose name starts with ``prefix``, walking the keys with ``SCAN`` (never ``KEYS``)."""
-        pattern = _glob_escape(self._lock_prefix + prefix) + "*"
-        strip = len(self._lock_prefix.encode())
+        pattern = _redis.glob_escape(self._lock_prefix + prefix) + "*"
         found, cursor = [], 0
         while True:
-            cursor, keys = self._execute("SCAN", cursor, "MATCH", pattern, "COUNT", SCAN_COUNT,
-                                         timeout=self._call_timeout(None), operation="SCAN")
+            cursor, keys = self._execute(("SCAN", cursor, "MATCH", pattern, "COUNT", SCAN_COUNT),
+                                         operation="list held locks", timeout=self._request_seconds())
             if keys:
-                found.extend(self._describe(keys, strip))
+                found.extend(self._describe(keys))
             cursor = int(cursor)
             if cursor == 0:
                 return found
 
-    def _describe(self, keys, strip):
-        """Return the ``LockInfo`` of the locks at ``keys`` that still exist: GET and PTTL in one pipeline."""
-        commands = [_pack(command)[0] for key in keys for command in (("GET", key), ("PTTL", key))]
-        try:
-            replies = self._get_connections().call_many(commands, self._call_timeout(None))
-        except (redis.RedisError, OSError) as exc:
-            raise self._translate(exc, "reading held locks") from exc
-        now = datetime.now(timezone.utc)
-        infos = []
-        for key, value, pttl in zip(keys, replies[::2], replies[1::2]):
-            if value is None:
-                continue  # expired or released since SCAN saw it
-            if isinstance(value, redis.ResponseError):
-                if str(value).startswith("WRONGTYPE"):
-                    continue  # not a lock of this backend: another program's key under the prefix
-                raise self._translate(value, "reading held locks")
-            owner, token, acquired_us, metadata = _text(value).split("\n", 3)
-            holder = json.loads(metadata)
-            key = key if isinstance(key, bytes) else key.encode()
-            infos.append(LockInfo(
-                alias=self.alias, name=key[strip:].decode(), owner=owner, token=self.public_token(int(token)),
-                acquired_at=datetime.fromtimestamp(int(acquired_us) / 1e6, timezone.utc),
-                expires_at=now + timedelta(milliseconds=pttl) if pttl >= 0 else None,
-                host=holder["host"], pid=holder["pid"], task_id=holder["task_id"],
-            ))
+    def _describe(self, keys):
+        """Return the ``LockInfo`` of the locks at ``keys`` that still exist: GET and PTTL in one round trip."""
+        strip = len(self._lock_prefix.encode())
+        with self.translate_errors("list held locks"):
+            replies = self._get_connections().exchange(
+                [(command, key) for key in keys for command in ("GET", "PTTL")], self._request_seconds())
+            now = datetime.now(timezone.utc)
+            infos = []
+            for key, value, pttl in zip(keys, replies[::2], replies[1::2]):
+                if value is None:
+                    continue  # expired or released since SCAN saw it
+                if isinstance(value, redis.ResponseError):
+                    if str(value).startswith("WRONGTYPE"):
+                        continue  # not a lock of this backend: another program's key under the prefix
+                    self._raise_error_reply(value, "list held locks")
+                owner, token, acquired_us, holder = _text(value).split("\n", 3)
+                key = key if isinstance(key, bytes) else key.encode()
+                infos.append(self.lock_info(
+                    key[strip:].decode(), read_holder_record(holder), owner=owner, token=int(token),
+                    acquired_at=datetime.fromtimestamp(int(acquired_us) / 1e6, timezone.utc),
+                    expires_at=now + timedelta(milliseconds=pttl) if pttl >= 0 else None,
+                ))
         return infos
 
-    def force_release(self, name, owner):
-        return self._execute_release(name, owner)
-
     def ping(self):
-        self._execute("PING", timeout=self._call_timeout(None), operation="PING")
+        self._execute(("PING",), operation="answer a ping", timeout=self._request_seconds())
 
     def close(self):
         with self._connections_lock:
@@ -568,12 +498,8 @@ class _Connections:
     connections here skips that, for a pool of our own (``URL``): at most ``MAX_IDLE`` of them, the
     others go back to the pool. A pool shared with a cache (``CACHE``) gets every connection back
     after each call, so the cache never runs short of connections (its ``max_connections``) because
-    distlock sits on them. A connection the server closed while it sat idle (a restart, an
-    idle timeout) is found on first use instead, and the command is sent once more on a fresh
-    connection. That is safe because every command distlock sends may run twice: the acquire script
-    reports its own earlier grant again, extend and leave are idempotent, reads are reads; a release
-    whose first run succeeded reports False the second time, and a wake-up consumed by the first
-    ``BLPOP`` is made up for by the waiter's refresh period.
+    distlock sits on them. A connection the server closed while it sat idle is found on first use
+    (``_redis.exchange``).
     """
 
     def __init__(self, pool, *, owned):
@@ -583,23 +509,22 @@ class _Connections:
         self.socket_timeout = pool.connection_kwargs.get("socket_timeout")
         #: How many idle connections are kept here rather than given back to the pool.
         self.max_idle = MAX_IDLE if owned else 0
-        self._idle = collections.deque()  # append/pop are atomic: no lock on the fast path
-        self._pid = os.getpid()
+        self.forget_after_fork()  # no idle connection yet
         # redis-py before 5 requires a command name, which 8 deprecates (distlock's pools ignore it).
         parameter = inspect.signature(pool.get_connection).parameters.get("command_name")
         self._checkout_args = ("EVALSHA",) if parameter is not None and parameter.default is parameter.empty else ()
+        _redis.FORGET_IN_FORKED_CHILD.add(self)
+
+    def forget_after_fork(self):
+        """Keep no idle connection, without closing any: a forked child must not use the parent's sockets."""
+        self._idle = collections.deque()  # append/pop are atomic: no lock on the fast path
 
     def _borrow(self):
-        """Return an idle connection and whether it was connected, or a new one from the pool."""
-        if self._pid != os.getpid():
-            # A forked child must not share the parent's sockets (their replies would interleave),
-            # nor close them: it starts with no idle connection; the pool resets itself likewise.
-            self._idle, self._pid = collections.deque(), os.getpid()
+        """Return an idle connection, or one from the pool."""
         try:
-            connection = self._idle.pop()
+            return self._idle.pop()
         except IndexError:
-            return self.pool.get_connection(*self._checkout_args), False
-        return connection, connection._sock is not None
+            return self.pool.get_connection(*self._checkout_args)
 
     def _give_back(self, connection):
         """Keep ``connection`` for the next call if fewer than ``max_idle`` are idle, else return it to the pool.
@@ -612,42 +537,22 @@ class _Connections:
         else:
             self.pool.release(connection)
 
-    def _exchange(self, requests, timeout):
-        """Send ``requests`` (packed commands) on one connection; return the list of replies.
+    def exchange(self, commands, timeout):
+        """Return the replies to ``commands`` (``_redis.exchange``), error replies in their place.
 
-        An error reply comes back in its place as the ``ResponseError`` instance, after every reply
-        was read. A connection is used again only when every reply was read: one that
-        an exception (a timeout, a lost connection, or a signal handler's exception such as Celery's
-        soft time limit) interrupted between the send and the last read is disconnected, since its
-        next user would read the leftover replies as its own (a refused acquire read as a grant).
+        A connection is used again only when every reply was read: one that an exception (a timeout,
+        a lost connection, or a signal handler's exception such as Celery's soft time limit)
+        interrupted between the send and the last read is disconnected.
         """
-        connection, was_connected = self._borrow()
+        connection = self._borrow()
         try:
-            try:
-                replies = _send_and_read(connection, requests, timeout)
-            except redis.ConnectionError:
-                if not was_connected:
-                    raise
-                # Closed by the server while idle: once more on a fresh connection (see the class docstring).
-                connection.disconnect()
-                replies = _send_and_read(connection, requests, timeout)
+            replies = _redis.exchange(connection, commands, timeout)
         except BaseException:
             connection.disconnect()
             self._give_back(connection)  # disconnected: its next use connects afresh
             raise
         self._give_back(connection)
         return replies
-
-    def call(self, request, timeout):
-        """Return the reply to one command; raise its error reply (a ``ResponseError``)."""
-        (reply,) = self._exchange(request, timeout)
-        if isinstance(reply, redis.ResponseError):
-            raise reply
-        return reply
-
-    def call_many(self, requests, timeout):
-        """Return the replies to ``requests``, error replies in their place as ``ResponseError`` instances."""
-        return self._exchange(requests, timeout)
 
     def close(self):
         while self._idle:
@@ -658,55 +563,3 @@ class _Connections:
                 self.pool.release(connection)
         if self.owned:
             self.pool.disconnect()
-
-
-def _read_bounded(connection, timeout):
-    """Return the next reply, waiting at most ``timeout`` seconds (None: no limit) for it.
-
-    The socket already waits ``socket_timeout``: then there is nothing to change. redis-py 8 bounds
-    one read itself (``read_response(timeout=...)``); before 8 the socket's timeout is set around
-    the read and put back afterwards (on an error redis-py has disconnected: no socket to put back).
-    """
-    if timeout == connection.socket_timeout:
-        return connection.read_response()
-    if _READ_TAKES_TIMEOUT:
-        return connection.read_response(timeout=timeout)
-    sock = connection._sock
-    sock.settimeout(timeout)
-    try:
-        return connection.read_response()
-    finally:
-        if connection._sock is sock:
-            sock.settimeout(connection.socket_timeout)
-
-
-#: True from redis-py 8 on: ``Connection.read_response`` takes a ``timeout`` for one read.
-_READ_TAKES_TIMEOUT = "timeout" in inspect.signature(redis.connection.Connection.read_response).parameters
-
-
-def _send_and_read(connection, requests, timeout):
-    """Send ``requests`` in one write and read one reply per request, error replies included."""
-    connection.send_packed_command((b"".join(requests),))
-    replies = []
-    for _ in requests:
-        try:
-            replies.append(_read_bounded(connection, timeout))
-        except redis.ResponseError as error:  # read in full: the next reply is the next request's
-            replies.append(error)
-    return replies
-
-
-def _pack(command):
-    """Encode ``command`` (str, bytes and int arguments) as one RESP request, in the list ``send_packed_command`` takes.
-
-    redis-py's ``pack_command`` costs more than the rest of a loopback round trip's client work for
-    the dozen arguments of the acquire script; keys and values are always UTF-8 here.
-    """
-    parts = [arg.encode() if isinstance(arg, str) else arg if isinstance(arg, bytes) else b"%d" % arg
-             for arg in command]
-    return [b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(part), part) for part in parts)]
-
-
-def _glob_escape(text):
-    """Escape the characters ``SCAN MATCH`` treats as a glob, so a name prefix matches literally."""
-    return "".join("\\" + char if char in "*?[]\\" else char for char in text)

@@ -1,4 +1,4 @@
-"""Which Redis server and database a URL names, for the backends that keep keys there (Redis, Redlock).
+"""Which Redis server and database a URL names, and whether redis-py can use it (Redis, Redlock).
 
 Without I/O, so system checks can compare configurations while servers are down: two URLs that
 spell one loopback server differently (``localhost`` and ``127.0.0.1``, a default port left out)
@@ -7,9 +7,13 @@ name the same server.
 
 from urllib.parse import parse_qs, unquote, urlsplit
 
+__all__ = ["describe", "redis_server", "unsecured", "url_problem"]
+
 #: Accepted values of redis-py's ``ssl_cert_reqs``.
 CERT_REQS = ("none", "optional", "required")
 
+#: The URL schemes redis-py's ``from_url`` takes.
+SCHEMES = ("redis://", "rediss://", "unix://")
 DEFAULT_PORT = 6379
 _LOOPBACK = {"localhost", "127.0.0.1", "::1", "ip6-localhost"}
 
@@ -42,12 +46,20 @@ def describe(server):
     return f"{host}:{server[2]}, db {server[3]}"
 
 
-def tls_problem(url):
-    """Return why the TLS parameters of ``url`` cannot work, or None (no I/O: certificate files are not read).
+def url_problem(url):
+    """Return why ``url`` cannot name a Redis server for redis-py, or None; no I/O, so the system checks can call it.
 
     TLS is redis-py's, from the URL: ``rediss://`` with ``ssl_ca_certs``, ``ssl_certfile``,
-    ``ssl_keyfile``, ``ssl_cert_reqs``... in the query, which ``from_url`` passes on.
+    ``ssl_keyfile``, ``ssl_cert_reqs``... in the query, which ``from_url`` passes on. Certificate
+    files are not read.
     """
+    if not isinstance(url, str) or not url.startswith(SCHEMES):
+        return "is not a redis://, rediss:// or unix:// URL"
+    return _tls_problem(url)
+
+
+def _tls_problem(url):
+    """Return why the TLS parameters of ``url`` cannot work, or None."""
     query = parse_qs(urlsplit(url).query)
     given = [name for name in query if name.startswith("ssl_")]
     if given and not url.startswith("rediss://"):

@@ -17,6 +17,18 @@ from distlock.exceptions import BackendUnavailable, InvalidLockBackendError, Loc
 from distlock.handler import locks
 from distlock.validation import MAX_NAME_LENGTH, MAX_SECONDS
 
+__all__ = [
+    "ARGUMENT_ERRORS",
+    "BAD_NAMES",
+    "BAD_SECONDS",
+    "BAD_TOKENS",
+    "ENTRY_POINTS",
+    "InputCheck",
+    "ODD_NAME_ENDINGS",
+    "ODD_SECONDS",
+    "bad_input",
+]
+
 #: What bad arguments may raise (``InvalidLockBackendError`` is an ``ImproperlyConfigured``, not a ``LockError``).
 ARGUMENT_ERRORS = (TypeError, ValueError, InvalidLockBackendError)
 

@@ -17,6 +17,8 @@ comparable across processes on Linux), ``proc``, ``op`` and op-specific fields:
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+__all__ = ["INFINITY", "Verdict", "check", "critical_section_overlaps", "granted"]
+
 INFINITY = float("inf")
 
 

@@ -28,6 +28,20 @@ from pathlib import Path
 
 from distlock.conformance.history import History
 
+__all__ = [
+    "COMMANDS",
+    "Client",
+    "InterruptStorm",
+    "Interrupted",
+    "KEPT_TRACEBACKS",
+    "ReleasedNothing",
+    "STORM_MARGIN",
+    "STORM_WEIGHTS",
+    "answer",
+    "main",
+    "run",
+]
+
 
 class Client:
     """The state of one client process: its leases by lock name, the values its claims read, its history."""

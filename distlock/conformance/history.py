@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+__all__ = ["History", "load"]
+
 
 class History:
     """The event log of one process (``proc``), appended to ``path``; safe to share between threads."""

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from django.conf import settings
 
+__all__ = ["ClientDied", "ClientError", "ClientProcess", "START_TIMEOUT", "child_environment"]
+
 #: Seconds a client may take to start (Python, Django, the backend's client library) on a busy machine.
 START_TIMEOUT = 120
 

@@ -3,6 +3,8 @@
 import math
 from dataclasses import dataclass, field
 
+__all__ = ["COLUMNS", "InterruptCounts", "NOT_APPLICABLE", "Result", "markdown_table", "percentile", "table_row"]
+
 #: Shown where a figure does not apply (Redlock's tokens are not offered to the store).
 NOT_APPLICABLE = "n/a"
 

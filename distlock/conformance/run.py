@@ -10,6 +10,8 @@ from distlock.conformance.history import History, load
 from distlock.conformance.process import ClientProcess
 from distlock.conformance.report import Result
 
+__all__ = ["LOCK_PREFIX", "RECOVERY_SLACK", "Run", "new_prefix", "wait_until"]
+
 #: Lock names of conformance runs start with this, so operators can tell them apart (``distlock list``).
 LOCK_PREFIX = "distlock-verify"
 

@@ -33,6 +33,21 @@ from distlock.conformance.process import ClientDied, ClientError
 from distlock.conformance.report import InterruptCounts
 from distlock.conformance.run import RECOVERY_SLACK, wait_until
 
+__all__ = [
+    "CHURN_NAMES",
+    "CONTENTION_TTL",
+    "STORM_DEADLINE_BASE",
+    "STORM_DEADLINE_PER_CALL",
+    "client_crash",
+    "client_pause",
+    "contended_tries",
+    "contention",
+    "forks",
+    "interrupts",
+    "take_turn",
+    "thread_churn",
+]
+
 #: Seconds a lock is held (by ttl) in the contention scenario: far longer than any pause it suffers.
 CONTENTION_TTL = 10.0
 

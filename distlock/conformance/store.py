@@ -19,8 +19,10 @@ from django.apps.registry import Apps
 from django.db import connections, models, router, transaction
 
 from distlock.exceptions import LockLost, LockSuspended, StaleFencingToken, UnsafeFencingToken
+from distlock.fencing import FencedModel
 from distlock.lease import Lease
-from distlock.models import FencedModel
+
+__all__ = ["APP_LABEL", "FencedStore"]
 
 APP_LABEL = "distlock_conformance"
 

@@ -17,6 +17,8 @@ from distlock.conformance.run import Run, new_prefix
 from distlock.conformance.store import FencedStore
 from distlock.handler import locks
 
+__all__ = ["NotVerifiable", "verify"]
+
 
 class NotVerifiable(Exception):
     """The alias cannot be verified across processes (a process-local backend)."""

@@ -10,6 +10,8 @@ from django.db import router
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
+__all__ = ["MetricsSettings", "get", "load"]
+
 
 @dataclass(frozen=True)
 class MetricsSettings:

@@ -13,6 +13,16 @@ from django.core.exceptions import ImproperlyConfigured
 
 from distlock.metrics import series
 
+__all__ = [
+    "count_lost",
+    "count_rejection",
+    "count_task_conflict",
+    "exposition",
+    "instruments",
+    "observe_acquisitions",
+    "observe_holds",
+]
+
 try:
     import prometheus_client
     from prometheus_client import multiprocess

@@ -14,10 +14,8 @@ flush.
 import atexit
 import logging
 import multiprocessing.util
-import os
 import threading
 import time
-import weakref
 from bisect import bisect_left, bisect_right
 from collections import Counter, defaultdict
 from itertools import repeat
@@ -27,11 +25,23 @@ from operator import truediv
 from django.core.signals import setting_changed
 from django.db import connections
 
-from distlock.backends.green import Daemon
-from distlock.conf import is_shared_memory_database
+from distlock.backends.green import Daemon, ForkedChildHook
+from distlock.conf import SHARED_MEMORY, sqlite_memory
 from distlock.metrics import conf, prometheus, series
 
-logger = logging.getLogger("distlock.metrics")
+__all__ = [
+    "DRAIN_INTERVAL",
+    "EXIT_FLUSH_WAIT",
+    "FOLD_INTERVAL",
+    "OTHER_PREFIX",
+    "PERIOD",
+    "Recorder",
+    "WARN_AFTER_FAILURES",
+    "WARN_EVERY",
+    "prefix_of",
+]
+
+logger = logging.getLogger(__name__)
 
 #: Names that share the part before the first ':' are counted together; names past the cap as this.
 OTHER_PREFIX = "other"
@@ -135,6 +145,10 @@ def _folded(rows, *, before):
     return folded
 
 
+#: Every recorder: a forked child forgets its parent's pending events and thread.
+_RECORDERS = ForkedChildHook("_forget_after_fork")
+
+
 class Recorder:
     """Collect this process's lock events and add them to the shared store in batches.
 
@@ -159,8 +173,7 @@ class Recorder:
         self._last_fold = None
         self._failures = 0
         self._last_warning = None
-        self_ref = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: (r := self_ref()) and r._forget_after_fork())
+        _RECORDERS.add(self)
         setting_changed.connect(self._setting_changed)  # weakly: a recorder of a test may go away
 
     # -- the hot path: a flag test and one list.extend or append per event ------------------------
@@ -314,7 +327,8 @@ class Recorder:
             return self._flush_locked()
 
     def _flush_locked(self):
-        # Imported here: the store needs the models, and this module is imported before apps are ready.
+        # Imported here: the store needs MetricSample, and this module is imported with the package, before
+        # Django has loaded the apps (tests/test_architecture.py checks that no model comes in that way).
         from distlock.metrics import store  # noqa: PLC0415
 
         self.drain()
@@ -377,7 +391,7 @@ class Recorder:
     def _run(self):
         next_flush = time.monotonic() + conf.get().flush_interval
         while not self._stopped.wait(max(0.0, min(DRAIN_INTERVAL, next_flush - time.monotonic()))):
-            if time.monotonic() < next_flush or is_shared_memory_database(conf.get().database):
+            if time.monotonic() < next_flush or sqlite_memory(conf.get().database) == SHARED_MEMORY:
                 # On Django's in-memory SQLite test database a flush from this thread would make the
                 # tests' own writes fail ("database table is locked"): only an explicit flush() writes.
                 self.drain()

@@ -17,6 +17,19 @@ from distlock.metrics import conf, series
 from distlock.metrics.recorder import OTHER_PREFIX, PERIOD, prefix_of
 from distlock.models import FencingRejection, MetricSample
 
+__all__ = [
+    "ACQUIRE_P99_OF_TTL",
+    "ALL_PREFIXES",
+    "CONTENTION_RATE",
+    "FENCING_REJECTIONS",
+    "Figures",
+    "HOLD_P99_OF_TTL",
+    "TIMEOUT_RATE",
+    "Window",
+    "summarize",
+    "timeline",
+]
+
 #: Alert when the p99 time to acquire exceeds this fraction of the acquisition's ttl.
 ACQUIRE_P99_OF_TTL = 0.5
 #: Alert when more than this fraction of attempts had to wait or did not get the lock.

@@ -8,6 +8,25 @@ stored format: changing them needs a migration that empties ``MetricSample``.
 
 import bisect
 
+__all__ = [
+    "ACQUIRE_OF_TTL",
+    "ACQUIRE_SECONDS",
+    "ATTEMPTS",
+    "CONTENDED",
+    "HISTOGRAMS",
+    "HOLD_OF_TTL",
+    "HOLD_SECONDS",
+    "LOST",
+    "RELEASED",
+    "RESULTS",
+    "SECONDS_BOUNDS",
+    "TASK_CONFLICT",
+    "TASK_OUTCOMES",
+    "TTL_FRACTION_BOUNDS",
+    "bucket_of",
+    "quantile",
+]
+
 # Counters (stored with bucket 0).
 ATTEMPTS = "attempts"                  # every acquire() call
 ACQUIRED, BUSY, TIMEOUT, UNAVAILABLE = "acquired", "busy", "timeout", "unavailable"  # its result

@@ -10,6 +10,8 @@ from django.db import connections, transaction
 
 from distlock.models import MetricSample
 
+__all__ = ["ADD", "BATCH", "FOLD", "KEY", "TABLE", "add", "fold"]
+
 TABLE = MetricSample._meta.db_table
 KEY = "period_start, alias, prefix, series, bucket"
 

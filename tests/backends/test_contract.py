@@ -1,20 +1,23 @@
 """The behaviour every backend promises, run against each configured alias on its real server."""
 
 import json
+import re
 import threading
 import time
 
 import pytest
+from django.conf import settings as settings_module
 
 import distlock
+from distlock.backends.base import READ_WRITE
 from distlock.handler import locks
 from distlock.signals import lock_acquired, lock_lost, lock_released
 from tests.workers import read_events, spawn
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
-#: Processes x acquisitions for the multi-process test; session backends do one round trip more per lock.
-HAMMER_COUNTS = {"zookeeper": 100, "etcd": 100}
+#: Acquisitions per process in the multi-process test; backends with sessions do one round trip more per lock.
+HAMMER_COUNT, SESSION_HAMMER_COUNT = 200, 100
 
 
 def test_acquire_and_release(backend_alias, lock_name):
@@ -130,7 +133,7 @@ def test_release_of_a_lock_owned_by_someone_else_is_refused(backend_alias, lock_
     current = distlock.acquire(lock_name, ttl=30, timeout=15, using=backend_alias)
     assert stale.release() is False
     backend = locks[backend_alias]
-    assert backend.force_release(lock_name, stale.owner) is False
+    assert backend.release_owned(lock_name, stale.owner) is False
     assert [info.owner for info in backend.held_locks(lock_name)] == [current.owner]
     with pytest.raises(distlock.LockNotAcquired):
         distlock.acquire(lock_name, blocking=False, using=backend_alias)
@@ -182,7 +185,7 @@ def test_auto_renew_marks_the_lease_lost_when_the_lock_disappears(backend_alias,
     lock_lost.connect(receiver)
     try:
         lease = distlock.acquire(lock_name, ttl=1.5, auto_renew=True, using=backend_alias)
-        assert locks[backend_alias].force_release(lock_name, lease.owner) is True
+        assert locks[backend_alias].release_owned(lock_name, lease.owner) is True
         deadline = time.monotonic() + 3
         # Wait for the signal, not for ``lease.lost``: that turns true by itself once the validity
         # runs out, which a loaded machine can make happen before the renewal thread finds out.
@@ -207,7 +210,8 @@ def test_max_hold_stops_renewal_and_releases(backend_alias, lock_name):
 
 
 def test_four_processes_never_overlap_and_tokens_strictly_increase(shared_alias, lock_name):
-    count = HAMMER_COUNTS.get(shared_alias, 200)
+    with distlock.lock(lock_name, ttl=10, using=shared_alias) as probe:
+        count = HAMMER_COUNT if probe.session_timeout is None else SESSION_HAMMER_COUNT
     workers = [spawn("hammer", alias=shared_alias, name=lock_name, count=count, ttl=30) for _ in range(4)]
     events = [event for worker in workers for event in read_events(worker, timeout=600)]
     assert len(events) == 4 * count
@@ -273,10 +277,10 @@ def test_bad_input_is_refused_before_any_io(backend_alias, arguments, error):
 
 def test_a_ttl_shorter_than_a_round_trip_is_refused_not_retried_forever(backend_alias, lock_name):
     """Every grant of a 1 µs ttl comes back expired: never hand one out, and give up after a few."""
-    from distlock.backends.redlock import RedlockBackend  # noqa: PLC0415
-
-    # Redlock refuses such a ttl before any request: its clock-drift allowance alone exceeds it.
-    expected = ValueError if isinstance(locks[backend_alias], RedlockBackend) else distlock.LockNotAcquired
+    # A backend that trusts less than the whole ttl (Redlock's clock-drift allowance) refuses such a
+    # ttl before any request: nothing of it would be left to trust.
+    untrusted = locks[backend_alias].trusted_validity(1e-6) <= 0
+    expected = ValueError if untrusted else distlock.LockNotAcquired
     started = time.monotonic()
     with pytest.raises(expected, match="ttl"):
         distlock.acquire(lock_name, ttl=1e-6, using=backend_alias)
@@ -297,17 +301,36 @@ def test_unknown_alias():
         distlock.acquire("x", using="nope")
 
 
-#: How to point each alias's backend at a server that is not there (a closed loopback port).
-def _down_config(alias, port):
-    configs = {
-        "postgres": ("distlock.backends.database.DatabaseBackend", {"DATABASE": "postgres_down"}),
-        "redis": ("distlock.backends.redis.RedisBackend", {"URL": f"redis://127.0.0.1:{port}/0"}),
-        "redlock": ("distlock.backends.redlock.RedlockBackend",
-                    {"URLS": [f"redis://127.0.0.1:{port + i}/0" for i in range(3)]}),
-        "zookeeper": ("distlock.backends.zookeeper.ZooKeeperBackend", {"HOSTS": f"127.0.0.1:{port}"}),
-        "etcd": ("distlock.backends.etcd.EtcdBackend", {"ENDPOINTS": f"127.0.0.1:{port}"}),
-    }
-    return configs.get(alias)
+def _pointed_at(value, port):
+    """``value`` (an option) with every loopback ``host:port`` in it moved to ``port``, where nothing listens."""
+    if isinstance(value, str):
+        return re.sub(r"(127\.0\.0\.1|localhost):\d+", lambda match: f"{match[1]}:{port}", value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_pointed_at(item, port + index) for index, item in enumerate(value))
+    return value
+
+
+def _down_config(alias, port, databases):
+    """This alias's backend and options, pointed at closed loopback ports; None if its server is in-process.
+
+    Derived from the alias's own options, for whatever backend it names: its addresses move to closed
+    ports, and a database it names is replaced by a copy of that database on a closed port.
+    """
+    entry = settings_module.DISTLOCK[alias]
+    options = {name: _pointed_at(value, port) for name, value in entry.get("OPTIONS", {}).items()}
+    database = options.get("DATABASE") or ("default" if entry["BACKEND"].endswith("DatabaseBackend") else None)
+    if database is not None:
+        if not databases[database].get("PORT"):
+            return None  # SQLite: no server
+        databases["down"] = {**databases[database], "PORT": str(port), "OPTIONS": {"connect_timeout": 2}}
+        options["DATABASE"] = "down"
+    if options == entry.get("OPTIONS", {}):
+        return None  # nothing to point elsewhere: locmem
+    return entry["BACKEND"], options
+
+
+#: The message every backend gives when its server does not answer (``BaseLockBackend.unavailable``).
+UNAVAILABLE = re.compile(r"^Lock alias 'down' \((?P<label>[^)]+)\) could not acquire lock 'anything': .+\.$", re.S)
 
 
 @pytest.mark.filterwarnings("ignore:Overriding setting DATABASES")
@@ -315,16 +338,47 @@ def test_backend_down_raises_backend_unavailable_within_the_timeout(backend_alia
     from tests.servers import free_port  # noqa: PLC0415
 
     port = free_port()
-    config = _down_config(backend_alias, port)
+    databases = dict(settings.DATABASES)
+    config = _down_config(backend_alias, port, databases)
     if config is None:
         pytest.skip(f"alias {backend_alias!r} has no server to be down")
     backend_path, options = config
-    settings.DATABASES = {**settings.DATABASES, "postgres_down": {
-        "ENGINE": "django.db.backends.postgresql", "HOST": "127.0.0.1", "PORT": str(port), "NAME": "test",
-        "USER": "postgres", "OPTIONS": {"connect_timeout": 2}}}
+    settings.DATABASES = databases
     settings.DISTLOCK = {**settings.DISTLOCK, "down": {"BACKEND": backend_path, "OPTIONS": options}}
     for timeout in (0, 1.5):
         started = time.monotonic()
-        with pytest.raises(distlock.BackendUnavailable):
+        with pytest.raises(distlock.BackendUnavailable) as failed:
             distlock.acquire("anything", ttl=5, timeout=timeout, using="down")
         assert time.monotonic() - started < timeout + 3
+        shape = UNAVAILABLE.match(str(failed.value))
+        assert shape, f"not the common message shape: {failed.value}"
+        assert shape["label"] == locks["down"].label
+
+
+def test_unsupported_lock_shapes_say_so_the_same_way_on_every_backend(backend_alias, lock_name):
+    backend = locks[backend_alias]
+    if READ_WRITE in backend.capabilities:
+        with distlock.read_lock(lock_name, ttl=5, using=backend_alias), \
+                distlock.read_lock(lock_name, ttl=5, using=backend_alias, blocking=False):
+            pass
+        return
+    expected = (rf"^Lock alias '{backend_alias}' \({re.escape(backend.label)}\) does not support read/write locks "
+                r"\(read_lock\(\), write_lock\(\)\); use an alias whose backend does: ZooKeeper\.$")
+    for shape in (distlock.read_lock, distlock.write_lock):
+        with pytest.raises(distlock.NotSupported, match=expected):
+            with shape(lock_name, ttl=5, using=backend_alias):
+                pass
+    assert backend.held_locks(lock_name) == []
+
+
+def test_the_backends_named_for_each_capability_are_those_that_declare_it():
+    from django.utils.module_loading import import_string  # noqa: PLC0415
+
+    from distlock.backends.base import SUPPORTED_BY  # noqa: PLC0415
+
+    named = {"database": "distlock.backends.database.DatabaseBackend", "locmem": "distlock.backends.locmem.LocMemBackend",
+             "Redis": "distlock.backends.redis.RedisBackend", "Redlock": "distlock.backends.redlock.RedlockBackend",
+             "ZooKeeper": "distlock.backends.zookeeper.ZooKeeperBackend", "etcd": "distlock.backends.etcd.EtcdBackend"}
+    for capability, names in SUPPORTED_BY.items():
+        declaring = {name for name, path in named.items() if capability in import_string(path).capabilities}
+        assert set(names) == declaring, capability

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import uuid
 
 import pytest
@@ -16,7 +17,10 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connections, transaction
 
 import distlock
-from distlock.backends.database import DatabaseBackend, _ConnectionPool, _Watchdog
+from distlock.backends._sql import DIALECTS
+from distlock.backends._sql_pool import ConnectionPool
+from distlock.backends.database import DatabaseBackend
+from distlock.checks import W002, check_distlock_setting
 from distlock.exceptions import BackendUnavailable
 from distlock.handler import locks
 from distlock.holder import current_task_id
@@ -24,7 +28,6 @@ from distlock.models import FencingRejection, Lock
 from tests.conftest import LONG, require_alias
 from tests.faults.proxy import FaultProxy
 from tests.interrupted_waits import lines_that_break
-from tests.servers import wait_until
 from tests.workers import ROOT, child_env, read_events, spawn
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
@@ -54,6 +57,10 @@ def move_expiry(alias, name, seconds):
     with connection.cursor() as cursor:
         cursor.execute(MOVE_EXPIRY[connection.vendor], [argument, name])
         assert cursor.rowcount == 1
+
+
+#: The operation of a statement a test runs on the backend's own connections, for messages.
+TEST_STATEMENT = "run a test statement"
 
 
 def add_alias(settings, alias, **options):
@@ -112,7 +119,7 @@ def test_sqlite_lock_inside_a_writing_transaction_raises_lock_would_deadlock(loc
         with pytest.raises(distlock.LockWouldDeadlock):
             lease.extend()
         with pytest.raises(distlock.LockWouldDeadlock):
-            locks["default"].force_release(lease.name, lease.owner)
+            locks["default"].release_owned(lease.name, lease.owner)
         assert time.monotonic() - started < 1, "detected up front, not after the busy timeout"
     assert lease.release() is True
     distlock.acquire(lock_name, ttl=30, blocking=False, using="default").release()
@@ -142,7 +149,7 @@ def test_sqlite_deferred_transactions_are_refused_too(lock_name, monkeypatch):
 
 def test_sqlite_self_deadlock_is_real_without_the_check(lock_name, settings):
     """The write slot really is held: another thread, not in the transaction, waits for it and gives up."""
-    add_alias(settings, "sqlite_short", DATABASE="default", STATEMENT_TIMEOUT=1)
+    add_alias(settings, "sqlite_short", DATABASE="default", REQUEST_TIMEOUT=1)
     outcome = []
 
     def contender():
@@ -200,7 +207,7 @@ def test_expiry_is_judged_by_the_database_clock(db_alias, lock_name):
         second.check()
     with pytest.raises(distlock.LockNotAcquired):
         distlock.acquire(lock_name, blocking=False, using=db_alias)
-    assert locks[db_alias].force_release(lock_name, second.owner) is True
+    assert locks[db_alias].release_owned(lock_name, second.owner) is True
 
 
 def _faketime_library():
@@ -250,7 +257,7 @@ def test_client_wall_clocks_do_not_matter_on_postgresql(lock_name):
         assert 29 <= (info.expires_at - info.acquired_at).total_seconds() <= 31
     finally:
         holder.communicate("")
-    assert locks[alias].force_release(lock_name, held["owner"]) is True
+    assert locks[alias].release_owned(lock_name, held["owner"]) is True
     # A contender whose clock is an hour ahead: by its clock, our lock would have expired long ago.
     with distlock.lock(lock_name, ttl=30, using=alias):
         contender, outcome = start_skewed_client("+1h", alias, lock_name, ttl=30)
@@ -351,7 +358,8 @@ def test_calls_at_once_use_connections_of_their_own_and_close_ends_them_all():
     backend = locks[alias]
     all_inside = threading.Barrier(3)
     pids = []
-    threads = [threading.Thread(target=lambda: pids.append(backend._run(_backend_pid_after(all_inside), {})))
+    step = _backend_pid_after(all_inside)
+    threads = [threading.Thread(target=lambda: pids.append(backend._run(step, {}, operation=TEST_STATEMENT)))
                for _ in range(3)]
     for thread in threads:
         thread.start()
@@ -384,7 +392,8 @@ def test_max_connections_bounds_the_calls_at_once_and_a_call_waits_within_its_bo
         inside.wait(10)
         leave.wait(10)
 
-    holders = [threading.Thread(target=backend._run, args=(hold_a_connection, {})) for _ in range(2)]
+    holders = [threading.Thread(target=backend._run, args=(hold_a_connection, {}),
+                                kwargs={"operation": TEST_STATEMENT}) for _ in range(2)]
     for holder in holders:
         holder.start()
     inside.wait(10)
@@ -408,11 +417,11 @@ def test_a_forked_child_never_touches_the_parent_s_connections():
     alias = require_alias("postgres")
     backend = locks[alias]
     backend_pid = lambda cursor, params: cursor.execute("SELECT pg_backend_pid()").fetchone()[0]  # noqa: E731
-    parent_pid = backend._run(backend_pid, {})
+    parent_pid = backend._run(backend_pid, {}, operation=TEST_STATEMENT)
     pid = os.fork()
     if pid == 0:  # the child, with the parent's backend object and its idle connection
         try:
-            child_pid = backend._run(backend_pid, {})
+            child_pid = backend._run(backend_pid, {}, operation=TEST_STATEMENT)
             backend.close()
             os._exit(0 if child_pid != parent_pid else 3)
         finally:
@@ -421,7 +430,8 @@ def test_a_forked_child_never_touches_the_parent_s_connections():
     while not (done := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert done[0] and os.waitstatus_to_exitcode(done[1]) == 0, "the child used the parent's connection"
-    assert backend._run(backend_pid, {}) == parent_pid, "the child closed the parent's connection"
+    assert backend._run(backend_pid, {}, operation=TEST_STATEMENT) == parent_pid, \
+        "the child closed the parent's connection"
 
 
 @pytest.mark.slow
@@ -482,10 +492,10 @@ def test_a_black_holed_postgresql_raises_backend_unavailable_within_the_timeout(
     with FaultProxy(int(target["PORT"])) as proxy:
         settings.DATABASES = {**settings.DATABASES,
                               "postgres_proxied": {**target, "HOST": "127.0.0.1", "PORT": str(proxy.port)}}
-        add_alias(settings, "proxied", DATABASE="postgres_proxied", STATEMENT_TIMEOUT=2)
+        add_alias(settings, "proxied", DATABASE="postgres_proxied", REQUEST_TIMEOUT=2)
         lease = distlock.acquire(lock_name, ttl=30, using="proxied")
         proxy.blackhole()
-        # A statement on an open connection: cut at STATEMENT_TIMEOUT...
+        # A statement on an open connection: cut at REQUEST_TIMEOUT...
         started = time.monotonic()
         with pytest.raises(distlock.BackendUnavailable, match="did not answer within 2s"):
             lease.extend()
@@ -512,7 +522,7 @@ def test_a_database_without_the_tables_says_to_migrate(settings, tmp_path):
     settings.DATABASES = {**settings.DATABASES, "empty": {"ENGINE": "django.db.backends.sqlite3",
                                                           "NAME": str(tmp_path / "empty.sqlite3")}}
     add_alias(settings, "unmigrated", DATABASE="empty")
-    with pytest.raises(distlock.BackendUnavailable, match="Run `manage.py migrate distlock --database empty`"):
+    with pytest.raises(distlock.BackendUnavailable, match="run `manage.py migrate distlock --database empty`"):
         distlock.acquire("anything", ttl=5, using="unmigrated")
 
 
@@ -521,7 +531,9 @@ def test_a_database_without_the_tables_says_to_migrate(settings, tmp_path):
 @pytest.mark.parametrize(("options", "message"), [
     ({"DATABASE": "nope"}, r"'DATABASE'\] is 'nope', which is not in settings.DATABASES"),
     ({"DATABASE": 3}, r"'DATABASE'\] must be the alias of a database"),
-    ({"STATEMENT_TIMEOUT": 0}, r"'STATEMENT_TIMEOUT'\] must be a finite number of seconds above zero"),
+    ({"REQUEST_TIMEOUT": 0}, r"'REQUEST_TIMEOUT'\] must be a finite number of seconds above zero"),
+    ({"STATEMENT_TIMEOUT": 1, "REQUEST_TIMEOUT": 1},
+     r"sets both 'REQUEST_TIMEOUT' and its old name 'STATEMENT_TIMEOUT'"),
     ({"DATABASE": "dummy"}, r"whose vendor is 'unknown'; the database backend supports PostgreSQL and SQLite"),
     ({"DATABASE": "memory"}, r"an in-memory SQLite database"),
 ])
@@ -543,16 +555,60 @@ def test_an_sqlite_without_returning_is_refused(monkeypatch):
 def test_options_of_a_server_that_is_down_are_accepted(settings):
     settings.DATABASES = {**settings.DATABASES, "down": {
         "ENGINE": "django.db.backends.postgresql", "HOST": "127.0.0.1", "PORT": "1", "NAME": "x"}}
-    assert DatabaseBackend.clean_options("locks", {"DATABASE": "down"})["STATEMENT_TIMEOUT"] == 5
+    assert DatabaseBackend.clean_options("locks", {"DATABASE": "down"})["REQUEST_TIMEOUT"] == 5
 
 
-# -- interrupts (a time limit, gevent.Timeout) landing in the pool's and the watchdog's waits ----------
+def test_statement_timeout_the_old_name_of_request_timeout_still_works_and_warns(settings, lock_name):
+    add_alias(settings, "old_name", DATABASE="default", STATEMENT_TIMEOUT=2)
+    assert locks["old_name"].settings["REQUEST_TIMEOUT"] == 2
+    distlock.acquire(lock_name, ttl=5, blocking=False, using="old_name").release()
+    (warning,) = [message for message in check_distlock_setting() if "'old_name'" in message.msg]
+    assert warning.id == W002
+    assert "['STATEMENT_TIMEOUT'] is the old name of 'REQUEST_TIMEOUT'" in warning.msg
+
+
+# -- interrupts (a time limit, gevent.Timeout) landing in the pool's and the statement timer's waits -----
 
 class _FakeWrapper:
     """A connection wrapper as the pool sees it (pure logic: the pool never looks inside)."""
 
     def close(self):
         pass
+
+
+class _SocketConnection:
+    """A psycopg connection as the statement timer sees it: a socket, open or closed."""
+
+    def __init__(self, sock):
+        self.sock = sock
+
+    @property
+    def closed(self):
+        return self.sock.fileno() == -1
+
+    def fileno(self):
+        return self.sock.fileno()
+
+
+class _SocketWrapper:
+    """A PostgreSQL connection wrapper as the statement timer and ``disconnect`` see it."""
+
+    Database = types.SimpleNamespace(Error=ConnectionError)
+
+    def __init__(self, sock):
+        self.connection = _SocketConnection(sock)
+
+    def close(self):
+        self.connection.sock.close()
+
+
+def _cut_off(sock, timeout):
+    """True once the other end of ``sock``'s pair was shut down (reads end of file) within ``timeout``."""
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
 
 
 def _unavailable(waited):
@@ -564,7 +620,7 @@ def test_a_call_interrupted_while_it_waits_for_a_connection_leaves_the_pool_whol
     # so the pool shrank by one connection for good per interrupt, and Condition.wait could raise
     # RuntimeError in place of the interrupt.
     def make():
-        pool = _ConnectionPool(_FakeWrapper, 1)
+        pool = ConnectionPool(_FakeWrapper, _FakeWrapper.close, 1)
         held = pool._check_out(time.monotonic() + 1, _unavailable, False)
 
         def notify():
@@ -577,34 +633,68 @@ def test_a_call_interrupted_while_it_waits_for_a_connection_leaves_the_pool_whol
     assert lines_that_break(make) == []
 
 
-def test_a_call_interrupted_in_the_watchdog_never_stalls_the_others():
+def test_a_call_interrupted_in_the_statement_timer_never_stalls_the_others():
     # Before: the watchdog's Condition could be left held by an interrupted call, and then every later
     # call of the alias (and the watchdog's thread) waited for it forever.
     reader, writer = socket.socketpair()
-    watchdogs = []
+    dialects = []
     try:
         def make():
-            watchdog = _Watchdog()
-            watchdogs.append(watchdog)
-            with watchdog.watch(reader.fileno(), 30):
+            dialect = DIALECTS["postgresql"]()
+            dialects.append(dialect)
+            with dialect.watch(_SocketWrapper(reader), time.monotonic() + 30):
                 pass  # its thread runs: starting a thread is not what is tested here
 
             def wait():
-                with watchdog.watch(reader.fileno(), 30):
+                with dialect.watch(_SocketWrapper(reader), time.monotonic() + 30):
                     pass
 
             def notify():
-                with watchdog.watch(writer.fileno(), 0.05) as watch:
-                    wait_until(lambda: watch.fired, 1, "the watchdog severing a connection past its bound")
+                ours, theirs = socket.socketpair()
+                try:
+                    with dialect.watch(_SocketWrapper(ours), time.monotonic() + 0.05) as watch:
+                        assert _cut_off(theirs, 1), "the timer did not cut off a statement past its bound"
+                    assert watch.severed
+                finally:
+                    ours.close()
+                    theirs.close()
 
             return wait, notify
 
         assert lines_that_break(make) == []
     finally:
-        for watchdog in watchdogs:
-            watchdog.stop()
+        for dialect in dialects:
+            dialect.close()
         reader.close()
         writer.close()
+
+
+def test_the_statement_timer_never_cuts_off_a_connection_after_its_statement_ended():
+    dialect = DIALECTS["postgresql"]()
+    ours, theirs = socket.socketpair()
+    armed, armed_peer = socket.socketpair()
+    try:
+        with dialect.watch(_SocketWrapper(ours), time.monotonic() + 0.05) as watch:
+            pass
+        # An interrupt that skipped a watch's exit leaves its deadline set; the call then closes the
+        # connection, and disconnect() disarms it first: the descriptor, reused, is another call's.
+        left_armed = _SocketWrapper(armed)
+        dialect.watch(left_armed, time.monotonic() + 0.05).__enter__()
+        dialect.disconnect(left_armed)
+        assert len(dialect.timer) == 0
+        reused, reused_peer = socket.socketpair()
+        try:
+            assert not _cut_off(theirs, 0.3) and not _cut_off(reused_peer, 0.1)
+            assert not watch.severed
+            ours.sendall(b"x")
+            assert theirs.recv(1) == b"x"
+        finally:
+            reused.close()
+            reused_peer.close()
+    finally:
+        dialect.close()
+        for sock in (ours, theirs, armed, armed_peer):
+            sock.close()
 
 
 @pytest.mark.parametrize("call", ["acquire", "release", "extend"])

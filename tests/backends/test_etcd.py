@@ -22,7 +22,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import distlock
-from distlock.backends.etcd import EtcdBackend, _range_end, acquire_txn, release_txn
+from distlock.backends.etcd import EtcdBackend
+from distlock.backends.etcd.transactions import acquire_txn, range_end, release_txn
 from distlock.handler import locks
 from distlock.signals import lock_lost
 from tests.conftest import require_alias
@@ -76,8 +77,9 @@ def test_endpoint_options(options, endpoints):
     ({"PORT": "2379"}, "PORT"),
     ({"LEASE_TTL": 2.5}, "whole number of seconds"),
     ({"LEASE_TTL": 0}, "from 1 to"),
-    ({"TIMEOUT": 0}, "TIMEOUT"),
-    ({"PREFIX": ""}, "PREFIX"),
+    ({"REQUEST_TIMEOUT": 0}, "REQUEST_TIMEOUT"),
+    ({"KEY_PREFIX": ""}, "KEY_PREFIX"),
+    ({"PREFIX": "/a/", "KEY_PREFIX": "/b/"}, "sets both 'KEY_PREFIX' and its old name 'PREFIX'"),
     ({"HOSTS": "a:1"}, "unknown option"),
 ])
 def test_bad_options_name_the_option(options, message):
@@ -86,9 +88,21 @@ def test_bad_options_name_the_option(options, message):
     assert "DISTLOCK['e']" in str(excinfo.value)
 
 
+def test_the_old_option_names_still_work_and_warn(settings):
+    from distlock.checks import W002, check_distlock_setting  # noqa: PLC0415
+
+    backend = EtcdBackend("e", {"PREFIX": "/old-name/", "TIMEOUT": 2})
+    assert (backend._prefix, backend._connection.timeout) == (b"/old-name/", 2)
+    settings.DISTLOCK = {**settings.DISTLOCK, "etcd_old_names": {
+        "BACKEND": BACKEND, "OPTIONS": {"PREFIX": "/old-name/", "TIMEOUT": 2, "CA_CERT": "/etc/etcd/ca.pem"}}}
+    warnings = [message for message in check_distlock_setting() if "'etcd_old_names'" in message.msg]
+    assert [message.id for message in warnings] == [W002, W002]
+    assert ["'KEY_PREFIX'" in warnings[0].msg, "'REQUEST_TIMEOUT'" in warnings[1].msg] == [True, True]
+
+
 def test_building_the_backend_does_no_io():
     backend = EtcdBackend("e", {"ENDPOINTS": f"127.0.0.1:{free_port()}"})
-    assert backend._connection._channels is None and backend._keeper is None
+    assert backend._connection._channels is None and backend._keeper._daemon is None
     backend.close()
 
 
@@ -119,9 +133,9 @@ def test_requests_copied_from_one_template_keep_their_own_value_and_revision():
 
 
 def test_range_end():
-    assert _range_end(b"/a/") == b"/a0"
-    assert _range_end(b"a\xff") == b"b"
-    assert _range_end(b"\xff\xff") == b"\0"
+    assert range_end(b"/a/") == b"/a0"
+    assert range_end(b"a\xff") == b"b"
+    assert range_end(b"\xff\xff") == b"\0"
 
 
 # -- a private cluster ----------------------------------------------------------------------------------
@@ -153,7 +167,7 @@ def configure(settings, cluster, prefix):
     """
     def configure_aliases(**aliases):
         settings.DISTLOCK = {**settings.DISTLOCK, **{
-            alias: {"BACKEND": BACKEND, "OPTIONS": {"ENDPOINTS": cluster.endpoints, "PREFIX": prefix, **options}}
+            alias: {"BACKEND": BACKEND, "OPTIONS": {"ENDPOINTS": cluster.endpoints, "KEY_PREFIX": prefix, **options}}
             for alias, options in aliases.items()
         }}
         return list(aliases)
@@ -246,8 +260,8 @@ def test_a_process_reuses_its_keys_of_a_lock_but_never_shares_one(configure, clu
     expired = distlock.acquire(lock_name, ttl=0.5, using=alias)
     # The background thread deletes the key, then frees its slot: wait for both (CI once saw the gap).
     backend = locks[alias]
-    wait_for(lambda: queue_length(cluster, prefix, lock_name) == 0 and lock_name not in backend._session.slots, 5,
-             "the expired key deleted and its slot freed")
+    wait_for(lambda: queue_length(cluster, prefix, lock_name) == 0 and lock_name not in backend._keeper.session.slots,
+             5, "the expired key deleted and its slot freed")
     current = distlock.acquire(lock_name, ttl=10, blocking=False, using=alias)
     assert current.handle.key == expired.handle.key
     assert expired.release() is False
@@ -356,7 +370,7 @@ def test_a_waiter_is_woken_after_its_watch_stream_breaks(configure, cluster, res
         holder.release()
         thread.join(30)
     assert "lease" in result, result
-    assert result["at"] - released_at < 1.5, "woken by the release, not by the periodic re-check (TIMEOUT=5)"
+    assert result["at"] - released_at < 1.5, "woken by the release, not by the periodic re-check (REQUEST_TIMEOUT=5)"
     assert result["lease"].token > holder.token
     result["lease"].release()
 
@@ -364,7 +378,7 @@ def test_a_waiter_is_woken_after_its_watch_stream_breaks(configure, cluster, res
 def test_a_release_just_before_the_waiter_s_watch_starts_wakes_it(configure, lock_name):
     """The watch starts at the member's current revision; a deletion after the waiter saw its predecessor
     but before the watch exists is caught by reading the key again, not by the periodic re-check."""
-    holder_alias, waiter_alias = configure(etcd_holder={}, etcd_waiter={"TIMEOUT": 10})
+    holder_alias, waiter_alias = configure(etcd_holder={}, etcd_waiter={"REQUEST_TIMEOUT": 10})
     holder = distlock.acquire(lock_name, ttl=60, using=holder_alias)
     released = []
 
@@ -388,9 +402,31 @@ def test_a_release_just_before_the_waiter_s_watch_starts_wakes_it(configure, loc
     thread.join(30)
     assert released, "the waiter never watched"
     assert "lease" in result, result
-    assert result["at"] - released[0] < 2, "woken by the read behind the watch, not by the re-check after TIMEOUT=10"
+    assert result["at"] - released[0] < 2, "woken by the read behind the watch, not by a re-check after REQUEST_TIMEOUT"
     assert result["lease"].token > holder.token
     result["lease"].release()
+
+
+def test_a_cancelled_waiter_stops_watching_at_once_and_leaves_the_queue(configure, cluster, prefix, lock_name):
+    """The job of a caller that was interrupted is cancelled (``distlock.backends.offload``): its watch
+    ends then, not after REQUEST_TIMEOUT, and the attempt gives up its place."""
+    from distlock.backends.base import Attempt  # noqa: PLC0415
+    from distlock.backends.offload import Abandoned, Job  # noqa: PLC0415
+
+    holder_alias, waiter_alias = configure(etcd_holder={}, etcd_waiter={"REQUEST_TIMEOUT": 30})
+    holder = distlock.acquire(lock_name, ttl=60, using=holder_alias)
+    backend = locks[waiter_alias]
+    attempt = Attempt(name=lock_name, owner="cancelled-waiter", ttl=30, blocking=True, deadline=None)
+    job = Job(lambda job: backend._acquire_loop(attempt, job))
+    waiter = threading.Thread(target=job.run)
+    waiter.start()
+    wait_for(lambda: job.wake is not None, 10, "the waiter did not watch")
+    cancelled_at = time.monotonic()
+    job.cancel()
+    waiter.join(10)
+    assert isinstance(job.error, Abandoned) and time.monotonic() - cancelled_at < 2
+    assert queue_length(cluster, prefix, lock_name) == 1, "the waiter's key was deleted"
+    holder.release()
 
 
 def test_a_waiter_whose_session_lease_was_revoked_queues_again(configure, cluster, prefix, lock_name):
@@ -433,7 +469,7 @@ def test_a_waiter_whose_session_lease_was_revoked_queues_again(configure, cluste
 @pytest.mark.parametrize("fault", ["pause", "stop"])
 def test_keepalive_failure_past_the_lease_ttl_marks_leases_lost(
         configure, cluster, restore, lost_leases, lock_name, fault):
-    holder_alias, other_alias = configure(etcd_holder={"LEASE_TTL": 2, "TIMEOUT": 1}, etcd_other={})
+    holder_alias, other_alias = configure(etcd_holder={"LEASE_TTL": 2, "REQUEST_TIMEOUT": 1}, etcd_other={})
     lease = distlock.acquire(lock_name, ttl=120, using=holder_alias)
     session_timeout = lease.session_timeout
     assert session_timeout == 2
@@ -489,13 +525,13 @@ def test_after_the_leader_is_killed_acquisitions_succeed_within_seconds(
 
 
 def test_a_paused_cluster_raises_backend_unavailable_within_the_timeout(configure, cluster, restore, lock_name):
-    (alias,) = configure(etcd_own={"TIMEOUT": 5})
+    (alias,) = configure(etcd_own={"REQUEST_TIMEOUT": 5})
     distlock.acquire(f"{lock_name}:warm-up", ttl=5, using=alias).release()
     for member in cluster.members:
         member.pause()
     for timeout in (0, 1.5):
         started = time.monotonic()
-        with pytest.raises(distlock.BackendUnavailable, match="etcd alias"):
+        with pytest.raises(distlock.BackendUnavailable, match=rf"^Lock alias '{alias}' \(etcd\) could not acquire lock "):
             distlock.acquire(lock_name, ttl=5, timeout=timeout, using=alias)
         assert time.monotonic() - started < max(timeout, 1) + 1
 
@@ -558,7 +594,7 @@ def test_a_raising_lock_lost_receiver_leaves_no_lease_of_the_session_unmarked(co
         with pytest.raises(distlock.LockLost, match="session"):
             lease.check()
     backend = locks[alias]
-    assert backend._keeper.is_alive(), "the background thread survived the receivers"
+    assert backend._keeper._daemon.is_alive(), "the background loop survived the receivers"
     again = distlock.acquire(lock_name, ttl=60, using=alias)
     first_valid_until = again.handle.session.valid_until
     wait_for(lambda: again.handle.session.valid_until > first_valid_until, 2 * ETCD_MIN_TTL,
@@ -641,7 +677,7 @@ def test_an_inherited_backend_in_a_forked_child_leaves_the_parent_s_locks_alone(
     pid = os.fork()
     if pid == 0:  # the child: the parent's lease and backend object, inherited
         try:
-            report = f"{lease.release()},{backend._session is None},{lease.lost}"
+            report = f"{lease.release()},{backend._keeper.session is None},{lease.lost}"
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
             report = repr(exc)
         os.write(write, report.encode())
@@ -718,7 +754,7 @@ def secure_cluster(tmp_path_factory):
 @pytest.fixture
 def configure_secure(settings, secure_cluster, prefix):
     def configure_alias(**options):
-        full = {"ENDPOINTS": secure_cluster.endpoints, "PREFIX": prefix, **secure_cluster.tls_options(),
+        full = {"ENDPOINTS": secure_cluster.endpoints, "KEY_PREFIX": prefix, **secure_cluster.tls_options(),
                 "USER": "root", "PASSWORD": SECRET}
         full.update(options)
         settings.DISTLOCK = {**settings.DISTLOCK, "etcd_secure": {
@@ -740,7 +776,7 @@ def test_a_lock_round_trip_over_tls_with_auth(configure_secure, secure_cluster, 
 @pytest.mark.parametrize("ca", ["wrong", "missing"])
 def test_a_wrong_or_missing_ca_is_backend_unavailable_naming_tls(configure_secure, secure_cluster, lock_name, ca):
     ca_cert = str(secure_cluster.pki.other_ca) if ca == "wrong" else None  # missing: the system's CAs
-    alias = configure_secure(CA_CERT=ca_cert, TIMEOUT=1)
+    alias = configure_secure(CA_CERT=ca_cert, REQUEST_TIMEOUT=1)
     started = time.monotonic()
     with pytest.raises(distlock.BackendUnavailable, match="TLS handshake failed") as excinfo:
         distlock.acquire(lock_name, ttl=10, using=alias)
@@ -752,18 +788,18 @@ def test_a_wrong_password_is_backend_unavailable_without_the_password(configure_
     wrong = SECRET + "-wrong"
     alias = configure_secure(PASSWORD=wrong)
     with caplog.at_level(logging.DEBUG):
-        with pytest.raises(distlock.BackendUnavailable, match="could not authenticate as USER 'root'") as excinfo:
+        with pytest.raises(distlock.BackendUnavailable, match="etcd refused to authenticate USER 'root'") as excinfo:
             distlock.acquire(lock_name, ttl=10, using=alias)
     message = str(excinfo.value)
-    assert "Check USER and PASSWORD" in message
+    assert "check USER and PASSWORD" in message
     for secret in (wrong, SECRET):
         assert secret not in message and secret not in caplog.text
         assert secret not in repr(locks[alias]) and secret not in repr(locks[alias]._connection.security)
 
 
 def test_no_credentials_on_an_auth_cluster_is_backend_unavailable(configure_secure, lock_name):
-    alias = configure_secure(USER=None, PASSWORD=None, TIMEOUT=1)
-    with pytest.raises(distlock.BackendUnavailable, match="etcd alias 'etcd_secure' could not"):
+    alias = configure_secure(USER=None, PASSWORD=None, REQUEST_TIMEOUT=1)
+    with pytest.raises(distlock.BackendUnavailable, match=r"^Lock alias 'etcd_secure' \(etcd\) could not acquire lock "):
         distlock.acquire(lock_name, ttl=10, using=alias)
 
 

@@ -46,7 +46,7 @@ def own_alias(own_server, settings):
     redis.Redis.from_url(own_server.url).flushall()
     settings.DISTLOCK = {**settings.DISTLOCK, "own": {
         "BACKEND": "distlock.backends.redis.RedisBackend",
-        "OPTIONS": {"URL": own_server.url, "KEY_PREFIX": PREFIX, "SOCKET_TIMEOUT": 1}}}
+        "OPTIONS": {"URL": own_server.url, "KEY_PREFIX": PREFIX, "REQUEST_TIMEOUT": 1}}}
     return "own"
 
 
@@ -344,7 +344,7 @@ def test_frozen_server_gives_backend_unavailable_within_the_timeout(own_server, 
         started = time.monotonic()
         with pytest.raises(distlock.BackendUnavailable):
             distlock.acquire("frozen", ttl=1, blocking=False, using=own_alias)
-        assert time.monotonic() - started < 1 + 0.5, "a non-blocking try waits at most SOCKET_TIMEOUT"
+        assert time.monotonic() - started < 1 + 0.5, "a non-blocking try waits at most REQUEST_TIMEOUT"
     finally:
         own_server.resume()
     # The requests that timed out still run when the server resumes: their grants, which nobody
@@ -442,20 +442,20 @@ def test_the_installed_redis_py_is_one_the_package_accepts():
     assert requirement.specifier.contains(importlib.metadata.version("redis"), prereleases=True)
 
 
-def test_a_read_is_bounded_by_the_call_timeout_below_the_socket_timeout(own_server, own_alias):
-    connections = locks[own_alias]._get_connections()  # SOCKET_TIMEOUT 1
-    assert connections.call(redis_backend._pack(("PING",)), 0.5) in (b"PONG", "PONG", True)
+def test_a_read_is_bounded_by_the_request_bound_below_the_socket_timeout(own_server, own_alias):
+    connections = locks[own_alias]._get_connections()  # REQUEST_TIMEOUT 1: the sockets' timeout
+    assert connections.exchange([("PING",)], 0.5) in ([b"PONG"], ["PONG"], [True])
     (idle,) = connections._idle
     assert idle._sock.gettimeout() == 1, "the socket's own timeout is put back after a shorter read"
     own_server.pause()
     try:
         started = time.monotonic()
         with pytest.raises(redis.TimeoutError):
-            connections.call(redis_backend._pack(("PING",)), 0.2)
+            connections.exchange([("PING",)], 0.2)
         assert time.monotonic() - started < 0.7
     finally:
         own_server.resume()
-    assert connections.call(redis_backend._pack(("PING",)), 0.5) in (b"PONG", "PONG", True)
+    assert connections.exchange([("PING",)], 0.5) in ([b"PONG"], ["PONG"], [True])
 
 
 # -- TLS and ACL users ----------------------------------------------------------------------------------
@@ -475,7 +475,7 @@ def tls_server():
 def tls_alias(settings, url, name="tls"):
     settings.DISTLOCK = {**settings.DISTLOCK, name: {
         "BACKEND": "distlock.backends.redis.RedisBackend",
-        "OPTIONS": {"URL": url, "KEY_PREFIX": TLS_PREFIX, "SOCKET_TIMEOUT": 1, "SOCKET_CONNECT_TIMEOUT": 1}}}
+        "OPTIONS": {"URL": url, "KEY_PREFIX": TLS_PREFIX, "REQUEST_TIMEOUT": 1, "SOCKET_CONNECT_TIMEOUT": 1}}}
     return name
 
 
@@ -569,17 +569,30 @@ def test_the_system_check_warns_about_an_open_alias_with_debug_off(settings):
 @pytest.mark.parametrize(("options", "message"), [
     ({}, "exactly one of 'URL'"),
     ({"URL": "redis://127.0.0.1:1/0", "CACHE": "redis"}, "exactly one of 'URL'"),
-    ({"URL": "http://127.0.0.1:1/"}, r"\['URL'\] must be a redis://"),
-    ({"URL": "redis://127.0.0.1:1/0", "SOCKET_TIMEOUT": 0}, r"\['SOCKET_TIMEOUT'\] must be a finite"),
+    ({"URL": "http://127.0.0.1:1/"}, r"\['URL'\] is not a redis://"),
+    ({"URL": "redis://127.0.0.1:1/0", "REQUEST_TIMEOUT": 0}, r"\['REQUEST_TIMEOUT'\] must be a finite"),
     ({"URL": "redis://127.0.0.1:1/0", "SOCKET_CONNECT_TIMEOUT": "2"}, r"\['SOCKET_CONNECT_TIMEOUT'\] must be"),
     ({"URL": "redis://127.0.0.1:1/0", "KEY_PREFIX": ""}, r"\['KEY_PREFIX'\] must not be empty"),
     ({"CACHE": "nope"}, "cache 'nope', which is not in settings.CACHES"),
-    ({"CACHE": "default", "SOCKET_TIMEOUT": 1}, r"CACHES\['default'\]\['OPTIONS'\]\['SOCKET_TIMEOUT'\]"),
+    ({"CACHE": "default", "REQUEST_TIMEOUT": 1}, r"CACHES\['default'\]\['OPTIONS'\]\['SOCKET_TIMEOUT'\]"),
+    ({"URL": "redis://127.0.0.1:1/0", "SOCKET_TIMEOUT": 1, "REQUEST_TIMEOUT": 1}, "both 'REQUEST_TIMEOUT' and its old name"),
 ])
 def test_bad_options_name_the_alias_and_option(options, message):
     with pytest.raises(ImproperlyConfigured, match=message) as excinfo:
         RedisBackend("mine", options)
     assert "DISTLOCK['mine']" in str(excinfo.value)
+
+
+def test_the_old_name_of_request_timeout_still_works_and_warns(settings):
+    settings.DISTLOCK = {**settings.DISTLOCK, "old": {
+        "BACKEND": "distlock.backends.redis.RedisBackend",
+        "OPTIONS": {"URL": "redis://127.0.0.1:1/0", "KEY_PREFIX": "old", "SOCKET_TIMEOUT": 0.5}}}
+    backend = RedisBackend("old", settings.DISTLOCK["old"]["OPTIONS"])
+    assert backend.settings["REQUEST_TIMEOUT"] == 0.5
+    assert backend.pool.connection_kwargs["socket_timeout"] == 0.5, "building the pool connects to nothing"
+    (warning,) = [error for error in check_distlock_setting() if error.id == "distlock.W002"]
+    assert "DISTLOCK['old']['OPTIONS']['SOCKET_TIMEOUT']" in warning.msg and "'REQUEST_TIMEOUT'" in warning.msg
+    backend.close()
 
 
 def test_options_are_checked_without_io(settings):

@@ -14,7 +14,9 @@ from django.core.exceptions import ImproperlyConfigured
 
 import distlock
 from distlock.backends import redlock
+from distlock.backends._redlock_masters import ReleaseListener, Round
 from distlock.backends.redlock import RedlockBackend, clock_drift, remaining_validity
+from distlock.checks import check_distlock_setting
 from distlock.handler import locks
 from tests.faults.proxy import FaultProxy
 from tests.servers.redis import RedisServer
@@ -94,14 +96,26 @@ URLS = [f"redis://127.0.0.1:{port}/0" for port in (7001, 7002, 7003)]
     ({"URLS": "redis://127.0.0.1:7001/0"}, "list of 3, 5, 7"),
     ({}, "needs 'URLS'"),
     ({"URLS": URLS, "CLOCK_DRIFT_FACTOR": 0.7}, "CLOCK_DRIFT_FACTOR"),
-    ({"URLS": URLS, "NODE_TIMEOUT": 0}, "NODE_TIMEOUT"),
-    ({"URLS": URLS, "NODE_TIMEOUT": 5}, "at most a tenth of DEFAULT_TTL"),
+    ({"URLS": URLS, "REQUEST_TIMEOUT": 0}, "REQUEST_TIMEOUT"),
+    ({"URLS": URLS, "REQUEST_TIMEOUT": 5}, "at most a tenth of DEFAULT_TTL"),
+    ({"URLS": URLS, "NODE_TIMEOUT": 5}, "REQUEST_TIMEOUT.*at most a tenth of DEFAULT_TTL"),
     ({"URLS": URLS, "RETRY_JITTER": -1}, "RETRY_JITTER"),
     ({"URLS": URLS, "KEY_PREFIX": ""}, "KEY_PREFIX"),
 ])
 def test_bad_options_are_refused_naming_the_option(options, message):
     with pytest.raises(ImproperlyConfigured, match=message):
         RedlockBackend.clean_options("x", options)
+
+
+def test_the_old_name_of_request_timeout_still_works_and_warns(settings):
+    settings.DISTLOCK = {**settings.DISTLOCK, "old": {
+        "BACKEND": "distlock.backends.redlock.RedlockBackend", "OPTIONS": {"URLS": URLS, "NODE_TIMEOUT": 0.1}}}
+    backend = RedlockBackend("old", settings.DISTLOCK["old"]["OPTIONS"])
+    assert backend.request_timeout == 0.1
+    assert {master.pool.connection_kwargs["socket_timeout"] for master in backend.masters} == {0.1}
+    (warning,) = [error for error in check_distlock_setting() if error.id == "distlock.W002"]
+    assert "DISTLOCK['old']['OPTIONS']['NODE_TIMEOUT']" in warning.msg and "'REQUEST_TIMEOUT'" in warning.msg
+    backend.close()
 
 
 def test_the_token_is_documented_as_unsafe():
@@ -135,7 +149,7 @@ def test_a_caller_interrupted_anywhere_in_a_round_never_stalls_the_masters_threa
     # Scenario 12 failed in CI this way: an interrupt left a round's lock held, and every master "did not
     # answer" from then on. The masters' threads must deliver whatever line the interrupt landed on.
     def make():
-        round_ = redlock.Round(5, 3, redlock.is_grant)
+        round_ = Round(5, 3, redlock.is_grant)
         return (lambda: round_.wait(0.05)), (lambda: round_.deliver(0, [1, 1]))
 
     assert lines_that_break(make) == []
@@ -143,7 +157,7 @@ def test_a_caller_interrupted_anywhere_in_a_round_never_stalls_the_masters_threa
 
 def test_a_waiter_interrupted_anywhere_never_stalls_the_release_notifications():
     def make():
-        listener = redlock.ReleaseListener([], "channel", 3)
+        listener = ReleaseListener([], "channel", 3)
         since = listener.sequence
         return (lambda: listener.wait("name", since, 0.05)), (lambda: listener._announce("name"))
 
@@ -189,8 +203,8 @@ def test_refuses_with_three_of_five_masters_down(masters, configure, lock_name):
         lease.release()
 
 
-def test_three_frozen_masters_give_backend_unavailable_within_the_node_timeout(masters, configure, lock_name):
-    configure([server.url for server in masters], NODE_TIMEOUT=0.2)
+def test_three_frozen_masters_give_backend_unavailable_within_the_request_timeout(masters, configure, lock_name):
+    configure([server.url for server in masters], REQUEST_TIMEOUT=0.2)
     distlock.acquire(lock_name, ttl=10, using=ALIAS).release()  # connections are open before the freeze
     for server in masters[2:]:
         server.pause()
@@ -198,8 +212,8 @@ def test_three_frozen_masters_give_backend_unavailable_within_the_node_timeout(m
         started = time.monotonic()
         with pytest.raises(distlock.BackendUnavailable):
             distlock.acquire(lock_name, ttl=2, blocking=False, using=ALIAS)
-        # The acquire round waits NODE_TIMEOUT for the frozen masters; the undo round reconnects to
-        # each of them, NODE_TIMEOUT apiece.
+        # The acquire round waits REQUEST_TIMEOUT for the frozen masters; the undo round reconnects to
+        # each of them, REQUEST_TIMEOUT apiece.
         assert time.monotonic() - started < 4 * 0.2 + 1
     finally:
         for server in masters[2:]:
@@ -260,9 +274,9 @@ def test_extend_needs_a_majority(masters, configure, lock_name):
 def test_force_release_compares_the_owner_on_every_master(masters, configure, lock_name):
     backend = configure([server.url for server in masters])
     lease = distlock.acquire(lock_name, ttl=10, using=ALIAS)
-    assert backend.force_release(lock_name, "someone-else") is False
+    assert backend.release_owned(lock_name, "someone-else") is False
     assert_owners(masters, lock_name, [lease.owner] * 5)
-    assert backend.force_release(lock_name, lease.owner) is True
+    assert backend.release_owned(lock_name, lease.owner) is True
     assert_owners(masters, lock_name, [None] * 5)
     assert lease.release() is False
 
@@ -300,7 +314,7 @@ def test_force_release_lifts_every_master_counter_to_the_evicted_token(masters, 
     finally:
         other.close()
     lease = distlock.acquire(lock_name, ttl=10, using=ALIAS)
-    assert backend.force_release(lock_name, lease.owner) is True
+    assert backend.release_owned(lock_name, lease.owner) is True
 
     def lowest_counter():
         return min(int(read(server, "GET", "distlock:token") or 0) for server in masters)
@@ -335,7 +349,7 @@ def test_validity_subtracts_the_time_spent_acquiring(masters, configure, lock_na
     urls = [server.url for server in masters]
     proxies = [FaultProxy(server.port).start() for server in masters[:3]]
     try:
-        configure([f"redis://127.0.0.1:{proxy.port}/0" for proxy in proxies] + urls[3:], NODE_TIMEOUT=1.5)
+        configure([f"redis://127.0.0.1:{proxy.port}/0" for proxy in proxies] + urls[3:], REQUEST_TIMEOUT=1.5)
         distlock.acquire(lock_name, ttl=10, using=ALIAS).release()  # connect while the proxies are fast
         for proxy in proxies:
             proxy.delay(0.15)  # each way: every round trip through a proxy takes 0.3 s or more
@@ -381,7 +395,7 @@ def test_a_client_paused_during_acquisition_gets_no_lease_and_undoes_its_grants(
         return replies
 
     monkeypatch.setattr(backend, "_run_script", pause_after_acquiring)
-    with caplog.at_level(logging.WARNING, logger="distlock.redlock"):
+    with caplog.at_level(logging.WARNING, logger="distlock.backends.redlock"):
         with pytest.raises(distlock.LockNotAcquired):
             distlock.acquire(lock_name, ttl=10, blocking=False, using=ALIAS)
     assert "leaving no validity" in caplog.text
@@ -489,7 +503,7 @@ def test_plain_tcp_against_tls_masters_fails_clearly(tls_masters, configure, loc
     configure([server.url_for("locks", TLS_PASSWORD, tls_parameters=False).replace("rediss://", "redis://")
                for server in tls_masters])
     started = time.monotonic()
-    with pytest.raises(distlock.BackendUnavailable, match="use rediss:// URLs") as excinfo:
+    with pytest.raises(distlock.BackendUnavailable, match="use a rediss:// URL") as excinfo:
         distlock.acquire(lock_name, ttl=10, blocking=False, using=ALIAS)
     assert time.monotonic() - started < 2.5
     assert TLS_PASSWORD not in str(excinfo.value)

@@ -29,14 +29,14 @@ from distlock.backends.zookeeper import (
     WRITE,
     NodeGone,
     ZooKeeperBackend,
-    _ExpiryTimer,
     ahead_of,
     blocker_of,
     decode_name,
     encode_name,
     holders_of,
 )
-from distlock.checks import W001, check_distlock_setting
+from distlock.backends.zookeeper.protocol import Contender
+from distlock.checks import W001, W002, check_distlock_setting
 from distlock.conformance.checker import check
 from distlock.handler import locks
 from distlock.signals import lock_lost
@@ -139,31 +139,10 @@ def test_queue_rules():
     assert ahead_of(READ, [r3, r2, "not-ours"]) is None and ahead_of(WRITE, ["not-ours"]) is None
 
 
-def test_expiry_timer_follows_moves_and_cancellations():
-    fired = []
-    timer = _ExpiryTimer(fired.append, "test-expiry")
-    try:
-        now = time.monotonic()
-        timer.schedule("late", now + 0.3)
-        timer.schedule("moved", now + 60)
-        timer.schedule("cancelled", now + 0.1)
-        timer.cancel("cancelled")
-        assert timer.move("moved", now + 0.1) is True
-        wait_for(lambda: len(fired) == 2, 5, "both expiries")
-        assert fired == ["moved", "late"]
-        assert timer.move("late", now + 60) is False, "an expired entry cannot be extended"
-        for i in range(10_000):  # long ttls released early must not pile up in the heap
-            timer.schedule(f"short-lived-{i}", now + 3600)
-            timer.cancel(f"short-lived-{i}")
-        assert len(timer._heap) <= 1024 + 1
-    finally:
-        timer.stop()
-
-
 @pytest.mark.parametrize(("option", "value"), [
-    ("HOSTS", ""), ("HOSTS", "127.0.0.1:2181,,"), ("ROOT", "distlock"), ("ROOT", "/"), ("ROOT", "/a/"),
-    ("ROOT", "/a/../b"), ("ROOT", "/zookeeper/x"), ("SESSION_TIMEOUT", 0), ("CONNECTION_TIMEOUT", "5"),
-    ("SESSION_TIMEOUT", 2**31 / 1000),
+    ("HOSTS", ""), ("HOSTS", "127.0.0.1:2181,,"), ("KEY_PREFIX", "distlock"), ("KEY_PREFIX", "/"),
+    ("KEY_PREFIX", "/a/"), ("KEY_PREFIX", "/a/../b"), ("KEY_PREFIX", "/zookeeper/x"), ("SESSION_TIMEOUT", 0),
+    ("REQUEST_TIMEOUT", "5"), ("SESSION_TIMEOUT", 2**31 / 1000),
 ])
 def test_bad_options_are_refused_naming_the_option(option, value):
     options = {"HOSTS": "127.0.0.1:2181", option: value}
@@ -176,6 +155,34 @@ def test_a_session_timeout_beyond_int32_milliseconds_is_refused_with_the_bound()
     with pytest.raises(ImproperlyConfigured, match=r"SESSION_TIMEOUT.*at most 2147483\.647 seconds"):
         ZooKeeperBackend.clean_options("zk", {"HOSTS": "127.0.0.1:2181", "SESSION_TIMEOUT": 3e6})
     assert ZooKeeperBackend.clean_options("zk", {"HOSTS": "127.0.0.1:2181", "SESSION_TIMEOUT": (2**31 - 1) / 1000})
+
+
+def test_the_old_option_names_still_work_and_the_check_names_the_new_ones(options, zk, lock_name):
+    """ROOT and CONNECTION_TIMEOUT (distlock 0.x) mean KEY_PREFIX and REQUEST_TIMEOUT; distlock.W002 says so."""
+    old_root = f"{options['KEY_PREFIX']}-old-names"
+    old = {"HOSTS": options["HOSTS"], "ROOT": old_root, "CONNECTION_TIMEOUT": 3}
+    cleaned = ZooKeeperBackend.clean_options("zk-old", old)
+    assert (cleaned["KEY_PREFIX"], cleaned["REQUEST_TIMEOUT"]) == (old_root, 3)
+    assert "ROOT" not in cleaned and "CONNECTION_TIMEOUT" not in cleaned
+    with pytest.raises(ImproperlyConfigured, match="sets both 'KEY_PREFIX' and its old name 'ROOT'"):
+        ZooKeeperBackend.clean_options("zk-old", {**old, "KEY_PREFIX": old_root})
+    config = {**django_settings.DISTLOCK,
+              "zk-old": {"BACKEND": "distlock.backends.zookeeper.ZooKeeperBackend", "OPTIONS": old}}
+    with override_settings(DISTLOCK=config):
+        warnings = sorted((m.msg, m.hint) for m in check_distlock_setting() if m.id == W002 and "zk-old" in m.msg)
+    assert warnings == [
+        ("DISTLOCK['zk-old']['OPTIONS']['CONNECTION_TIMEOUT'] is the old name of 'REQUEST_TIMEOUT'; it still works, "
+         "but is removed in distlock 2.0.", "Rename it to 'REQUEST_TIMEOUT'."),
+        ("DISTLOCK['zk-old']['OPTIONS']['ROOT'] is the old name of 'KEY_PREFIX'; it still works, but is removed in "
+         "distlock 2.0.", "Rename it to 'KEY_PREFIX'."),
+    ]
+    backend = ZooKeeperBackend("zk-old", old)
+    try:
+        with backend.acquire(lock_name, ttl=10, timeout=5, blocking=True) as lease:
+            assert [node.split("-", 1)[0] for node in our_nodes(zk, old_root, lock_name)] == [lease.owner]
+    finally:
+        backend.close()
+        zk.delete(old_root, recursive=True)
 
 
 # -- security options: validation and warnings (no server) -----------------------------------------
@@ -256,9 +263,9 @@ def test_security_warnings_name_what_is_left_open():
     acl = [{"scheme": "digest", "credential": f"app:{SECRET}", "perms": "all"}]
     (warning,) = security_warnings()
     assert "open ACL" in warning and "AUTH_DATA" in warning and "USE_SSL" in warning
-    assert security_warnings(AUTH_DATA=auth, DEFAULT_ACL=acl, ROOT="/distlock/locks") == []
+    assert security_warnings(AUTH_DATA=auth, DEFAULT_ACL=acl, KEY_PREFIX="/distlock/locks") == []
     (warning,) = security_warnings(AUTH_DATA=auth, DEFAULT_ACL=acl)
-    assert "ROOT '/distlock' sits directly under" in warning, "an empty top-level ROOT can be deleted by anyone"
+    assert "KEY_PREFIX '/distlock' sits directly under" in warning, "an empty top-level one can be deleted by anyone"
     assert security_warnings(USE_SSL=True) == [], "TLS alone (the ensemble requires client certificates)"
     (warning,) = security_warnings(AUTH_DATA=auth)
     assert "open ACL" in warning, "credentials without an ACL protect nothing"
@@ -266,7 +273,7 @@ def test_security_warnings_name_what_is_left_open():
     assert "open ACL" in warning
     (warning,) = security_warnings(USE_SSL=True, AUTH_DATA=auth)
     assert "DEFAULT_ACL" in warning
-    (warning,) = security_warnings(USE_SSL=True, VERIFY_CERTS=False, AUTH_DATA=auth, DEFAULT_ACL=acl, ROOT="/a/b")
+    (warning,) = security_warnings(USE_SSL=True, VERIFY_CERTS=False, AUTH_DATA=auth, DEFAULT_ACL=acl, KEY_PREFIX="/a/b")
     assert "VERIFY_CERTS" in warning
     for warning in security_warnings(AUTH_DATA=auth, DEFAULT_ACL=OPEN_ACL_UNSAFE, USE_SSL=True, VERIFY_CERTS=False):
         assert SECRET not in warning
@@ -274,7 +281,7 @@ def test_security_warnings_name_what_is_left_open():
 
 @pytest.mark.parametrize("debug", [False, True])
 def test_an_open_alias_is_reported_by_the_system_check_with_debug_off(debug):
-    secured = {"HOSTS": "127.0.0.1:2181", "ROOT": "/distlock/locks", "AUTH_DATA": [("digest", f"app:{SECRET}")],
+    secured = {"HOSTS": "127.0.0.1:2181", "KEY_PREFIX": "/distlock/locks", "AUTH_DATA": [("digest", f"app:{SECRET}")],
                "DEFAULT_ACL": [{"scheme": "digest", "credential": f"app:{SECRET}", "perms": "all"}]}
     config = {**django_settings.DISTLOCK, "zk-open": {"BACKEND": "distlock.backends.zookeeper.ZooKeeperBackend",
                                                       "OPTIONS": {"HOSTS": "127.0.0.1:2181"}},
@@ -293,15 +300,15 @@ def test_an_open_alias_is_reported_by_the_system_check_with_debug_off(debug):
 
 def test_token_is_the_holders_czxid_and_its_data_names_the_holder(alias, options, zk, lock_name):
     with distlock.lock(lock_name, ttl=10, using=alias) as lease:
-        (node,) = our_nodes(zk, options["ROOT"], lock_name)
-        data, stat = zk.get(f"{options['ROOT']}/{encode_name(lock_name)}/{node}")
+        (node,) = our_nodes(zk, options["KEY_PREFIX"], lock_name)
+        data, stat = zk.get(f"{options['KEY_PREFIX']}/{encode_name(lock_name)}/{node}")
         assert lease.token == stat.czxid
         assert stat.ephemeralOwner != 0, "the lock znode must be ephemeral"
         assert node.startswith(f"{lease.owner}-write-")
         record = json.loads(data)
         assert record["owner"] == lease.owner and record["pid"] > 0 and record["host"]
     # The parent's delete is sent right behind the node's; release() waits only for the node's.
-    wait_for(lambda: our_nodes(zk, options["ROOT"], lock_name) is None, 5, "the parent znode being deleted")
+    wait_for(lambda: our_nodes(zk, options["KEY_PREFIX"], lock_name) is None, 5, "the parent znode being deleted")
 
 
 def test_first_in_the_listing_is_not_enough_for_the_czxid_to_be_the_token(backends, options, zk, lock_name):
@@ -310,16 +317,16 @@ def test_first_in_the_listing_is_not_enough_for_the_czxid_to_be_the_token(backen
     The interleaving is forced: the listing is held back until our node exists, and meanwhile the
     predecessor (another session) re-stamps its node, as a granted waiter does, and leaves.
     """
-    parent = f"{options['ROOT']}/{encode_name(lock_name)}"
+    parent = f"{options['KEY_PREFIX']}/{encode_name(lock_name)}"
     predecessor = zk.create(f"{parent}/other-write-", b"", ephemeral=True, sequence=True, makepath=True)
     backend = backends()
-    client = backend._session(time.monotonic() + 15)
+    client = backend._session.connect(time.monotonic() + 15)
     list_children = client.get_children_async
     predecessor_token = []
 
     def list_after_the_predecessor_left(path, *args, **kwargs):
         if path == parent and not predecessor_token:
-            wait_for(lambda: len(our_nodes(zk, options["ROOT"], lock_name)) == 2, 5, "our node being created")
+            wait_for(lambda: len(our_nodes(zk, options["KEY_PREFIX"], lock_name)) == 2, 5, "our node being created")
             predecessor_token.append(zk.set(predecessor, b"granted").mzxid)
             zk.delete(predecessor)
         return list_children(path, *args, **kwargs)
@@ -336,7 +343,7 @@ def test_first_in_the_listing_is_not_enough_for_the_czxid_to_be_the_token(backen
 
 def test_a_try_that_misses_makes_no_node(backends, options, zk, lock_name):
     """A try fails on a holder, or on a waiter queued first, without ever creating a node."""
-    parent = f"{options['ROOT']}/{encode_name(lock_name)}"
+    parent = f"{options['KEY_PREFIX']}/{encode_name(lock_name)}"
     holder_backend, waiter_backend, trier = backends(), backends(), backends()
     holder = holder_backend.acquire(lock_name, ttl=30, timeout=10, blocking=True)
     before = zk.exists(parent).cversion  # counts every create and delete of a child
@@ -348,7 +355,7 @@ def test_a_try_that_misses_makes_no_node(backends, options, zk, lock_name):
     waiter = threading.Thread(target=lambda: got.append(
         waiter_backend.acquire(lock_name, ttl=10, timeout=30, blocking=True)))
     waiter.start()
-    wait_for(lambda: len(our_nodes(zk, options["ROOT"], lock_name)) == 2, 10, "the waiter queueing")
+    wait_for(lambda: len(our_nodes(zk, options["KEY_PREFIX"], lock_name)) == 2, 10, "the waiter queueing")
     holder.release()
     waiter.join(30)
     (lease,) = got
@@ -363,7 +370,7 @@ def test_a_try_that_misses_makes_no_node(backends, options, zk, lock_name):
 def test_planted_persistent_children_are_ignored_and_reported(backends, options, zk, lock_name):
     """A persistent child that sorts first (a negative sequence, or sequence 0) blocks nobody, and
     ``foreign_records()`` (for ``distlock check``) names it and every child whose name is not a contender's."""
-    parent = f"{options['ROOT']}/{encode_name(lock_name)}"
+    parent = f"{options['KEY_PREFIX']}/{encode_name(lock_name)}"
     planted = [f"{parent}/planted-write--000000001", f"{parent}/planted-write-0000000000", f"{parent}/notes"]
     for path in planted:
         zk.create(path, b"", makepath=True)
@@ -377,7 +384,8 @@ def test_planted_persistent_children_are_ignored_and_reported(backends, options,
         waiter = threading.Thread(target=lambda: got.append(other.acquire(lock_name, ttl=10, timeout=20,
                                                                           blocking=True)))
         waiter.start()
-        wait_for(lambda: len(our_nodes(zk, options["ROOT"], lock_name)) == len(planted) + 2, 10, "the waiter queueing")
+        wait_for(lambda: len(our_nodes(zk, options["KEY_PREFIX"], lock_name)) == len(planted) + 2, 10,
+                 "the waiter queueing")
         assert lease.release() is True
         waiter.join(20)
         (successor,) = got
@@ -407,7 +415,8 @@ def create_contender(zk, parent):
 
 
 @pytest.mark.parametrize("stays", [True, False])
-def test_a_contender_created_between_a_trys_listing_and_its_create(backends, options, zk, lock_name, stays):
+def test_a_contender_created_between_a_trys_listing_and_its_create(backends, options, zk, lock_name, stays,
+                                                                   monkeypatch):
     """The try's conditional create fails and makes nothing; looking again, it fails on a node that
     stayed, and takes the lock, with a larger token, when the node came and went.
 
@@ -415,24 +424,25 @@ def test_a_contender_created_between_a_trys_listing_and_its_create(backends, opt
     the try's first multi fails; the contender is created after that multi's listing, right before
     the conditional create is sent.
     """
-    parent = f"{options['ROOT']}/{encode_name(lock_name)}"
+    parent = f"{options['KEY_PREFIX']}/{encode_name(lock_name)}"
     zk.create(parent, makepath=True)
     backend = backends()
-    backend._session(time.monotonic() + 15)
-    send_create, others = backend._send_create, []
+    backend._session.connect(time.monotonic() + 15)
+    send_create, others = Contender._send_create, []
 
-    def create_after_the_listing(client, contender, **kwargs):
+    def create_after_the_listing(contender, client, **kwargs):
         if kwargs.get("parent_version") is not None and not others:
             others.append(create_contender(zk, parent))
             if not stays:
                 zk.delete(others[0][0])
-        return send_create(client, contender, **kwargs)
+        return send_create(contender, client, **kwargs)
 
-    backend._send_create = create_after_the_listing
+    monkeypatch.setattr(Contender, "_send_create", create_after_the_listing)
     if stays:
         with pytest.raises(distlock.LockNotAcquired):
             backend.acquire(lock_name, ttl=10, timeout=0, blocking=False)
-        assert our_nodes(zk, options["ROOT"], lock_name) == [others[0][0].rsplit("/", 1)[1]], "only the contender's"
+        assert our_nodes(zk, options["KEY_PREFIX"], lock_name) == [others[0][0].rsplit("/", 1)[1]], \
+            "only the contender's"
         zk.delete(others[0][0])
         zk.delete(parent)
     else:
@@ -440,11 +450,11 @@ def test_a_contender_created_between_a_trys_listing_and_its_create(backends, opt
         assert others, "the conditional create was not intercepted"
         assert lease.token > others[0][1]
         assert lease.release() is True
-        wait_for(lambda: our_nodes(zk, options["ROOT"], lock_name) is None, 5, "the parent being deleted")
+        wait_for(lambda: our_nodes(zk, options["KEY_PREFIX"], lock_name) is None, 5, "the parent being deleted")
 
 
 def test_no_litter_after_a_thousand_cycles_on_distinct_names(alias, options, zk, lock_name):
-    root = options["ROOT"]
+    root = options["KEY_PREFIX"]
     before = set(zk.get_children(root)) if zk.exists(root) else set()
     for i in range(1000):
         with distlock.lock(f"{lock_name}:{i}", ttl=10, using=alias):
@@ -465,10 +475,10 @@ def test_misses_timeouts_and_expiry_leave_no_litter(alias, options, zk, lock_nam
     with pytest.raises(distlock.LockNotAcquired):
         distlock.acquire(lock_name, timeout=0.3, using=alias)
     # Only the holder's node remains (the two contenders' deletes are sent without waiting).
-    wait_for(lambda: len(our_nodes(zk, options["ROOT"], lock_name)) == 1, 5, "the contenders' nodes going")
-    assert our_nodes(zk, options["ROOT"], lock_name)[0].startswith(holder.owner)
+    wait_for(lambda: len(our_nodes(zk, options["KEY_PREFIX"], lock_name)) == 1, 5, "the contenders' nodes going")
+    assert our_nodes(zk, options["KEY_PREFIX"], lock_name)[0].startswith(holder.owner)
     # Nobody releases: the ttl runs out and this process deletes the node and its parent.
-    wait_for(lambda: our_nodes(zk, options["ROOT"], lock_name) is None, 5, "deletion at ttl expiry")
+    wait_for(lambda: our_nodes(zk, options["KEY_PREFIX"], lock_name) is None, 5, "deletion at ttl expiry")
     assert holder.lost and holder.release() is False
 
 
@@ -513,10 +523,10 @@ def test_writer_waits_for_readers_and_later_readers_wait_for_the_writer(alias, o
 
     writer_thread = threading.Thread(target=writer)
     writer_thread.start()
-    wait_for(lambda: len(our_nodes(zk, options["ROOT"], lock_name)) == 3, 10, "the writer queueing")
+    wait_for(lambda: len(our_nodes(zk, options["KEY_PREFIX"], lock_name)) == 3, 10, "the writer queueing")
     reader_thread = threading.Thread(target=late_reader)
     reader_thread.start()
-    wait_for(lambda: len(our_nodes(zk, options["ROOT"], lock_name)) == 4, 10, "the late reader queueing")
+    wait_for(lambda: len(our_nodes(zk, options["KEY_PREFIX"], lock_name)) == 4, 10, "the late reader queueing")
     time.sleep(0.3)
     assert events == [], "a writer must wait for earlier readers, a later reader for the earlier writer"
     readers[0].release()
@@ -548,7 +558,7 @@ def watches_by_path(hosts):
 
 
 def test_each_waiter_watches_only_its_predecessor(backends, options, zk, lock_name):
-    parent = f"{options['ROOT']}/{encode_name(lock_name)}"
+    parent = f"{options['KEY_PREFIX']}/{encode_name(lock_name)}"
     holder_backend, *waiter_backends = [backends() for _ in range(5)]
     holder = holder_backend.acquire(lock_name, ttl=60, timeout=10, blocking=True)
     order, threads = [], []
@@ -562,8 +572,9 @@ def test_each_waiter_watches_only_its_predecessor(backends, options, zk, lock_na
     for backend in waiter_backends:
         threads.append(threading.Thread(target=wait_in_line, args=(backend,)))
         threads[-1].start()
-        wait_for(lambda: len(our_nodes(zk, options["ROOT"], lock_name)) == len(threads) + 1, 10, "a waiter queueing")
-    nodes = sorted(our_nodes(zk, options["ROOT"], lock_name), key=lambda node: node.rsplit("-", 1)[1])
+        wait_for(lambda: len(our_nodes(zk, options["KEY_PREFIX"], lock_name)) == len(threads) + 1, 10,
+                 "a waiter queueing")
+    nodes = sorted(our_nodes(zk, options["KEY_PREFIX"], lock_name), key=lambda node: node.rsplit("-", 1)[1])
     czxids = [zk.exists(f"{parent}/{node}").czxid for node in nodes]
     assert czxids[0] == holder.token
 
@@ -596,7 +607,7 @@ def expire_session(hosts, client):
 
 @pytest.mark.django_db(transaction=True, databases="__all__")
 def test_distlock_check_reports_a_planted_child(alias, options, zk, lock_name):
-    planted = f"{options['ROOT']}/{encode_name(lock_name)}/notes"
+    planted = f"{options['KEY_PREFIX']}/{encode_name(lock_name)}/notes"
     zk.create(planted, b"", makepath=True)
     try:
         out = io.StringIO()
@@ -622,7 +633,7 @@ def test_session_expiry_marks_the_lease_lost_and_frees_the_lock(backends, option
     backend, other = backends(), backends()
     lease = backend.acquire(lock_name, ttl=60, timeout=10, blocking=True)
     lease.check()
-    expire_session(options["HOSTS"], backend._client)
+    expire_session(options["HOSTS"], backend._session.client)
     # check() fails from the moment LOST arrives; lock_lost (with the reason) follows on the state thread.
     wait_for(lambda: lost_leases, 15, "the lease being marked lost")
     assert lease.lost
@@ -657,7 +668,7 @@ def test_a_raising_lock_lost_receiver_stops_no_loss_detection(backends, options,
     leases = [backend.acquire(f"{lock_name}:{i}", ttl=60, timeout=10, blocking=True) for i in range(2)]
     lock_lost.connect(receiver)
     try:
-        expire_session(options["HOSTS"], backend._client)
+        expire_session(options["HOSTS"], backend._session.client)
         wait_for(lambda: len(seen) == 2, 15, "lock_lost for both leases")
         assert sorted(lease.name for lease, _ in seen) == sorted(lease.name for lease in leases)
         assert seen[0][1] == [True, True], "the first receiver ran while the other lease still passed check()"
@@ -666,7 +677,7 @@ def test_a_raising_lock_lost_receiver_stops_no_loss_detection(backends, options,
                 lease.check()
         # The state thread lives on: a lease on the next session is lost with that session too.
         leases = [backend.acquire(f"{lock_name}:again", ttl=60, timeout=10, blocking=True)]
-        expire_session(options["HOSTS"], backend._client)
+        expire_session(options["HOSTS"], backend._session.client)
         wait_for(lambda: len(seen) == 3, 15, "lock_lost after the second expiry")
         with pytest.raises(distlock.LockLost, match="session expired"):
             leases[0].check()
@@ -713,11 +724,12 @@ def test_waiter_whose_session_expires_queues_again_and_gets_the_lock(backends, o
     thread = threading.Thread(target=lambda: got.append(
         waiter_backend.acquire(lock_name, ttl=10, timeout=30, blocking=True)))
     thread.start()
-    wait_for(lambda: len(our_nodes(zk, options["ROOT"], lock_name)) == 2, 10, "the waiter queueing")
-    (first_node,) = [node for node in our_nodes(zk, options["ROOT"], lock_name) if not node.startswith(holder.owner)]
-    expire_session(options["HOSTS"], waiter_backend._client)
+    wait_for(lambda: len(our_nodes(zk, options["KEY_PREFIX"], lock_name)) == 2, 10, "the waiter queueing")
+    (first_node,) = [node for node in our_nodes(zk, options["KEY_PREFIX"], lock_name)
+                     if not node.startswith(holder.owner)]
+    expire_session(options["HOSTS"], waiter_backend._session.client)
     # Its node went with the session; it queues again, behind the holder, under a new session.
-    wait_for(lambda: (nodes := our_nodes(zk, options["ROOT"], lock_name)) and len(nodes) == 2
+    wait_for(lambda: (nodes := our_nodes(zk, options["KEY_PREFIX"], lock_name)) and len(nodes) == 2
              and first_node not in nodes, 15, "the waiter queueing again")
     assert got == []
     holder.release()
@@ -783,17 +795,17 @@ def test_connection_moves_to_another_member_when_its_member_dies(tmp_path, lock_
         backend = ZooKeeperBackend("private", {"HOSTS": ensemble.hosts, "SESSION_TIMEOUT": 5})
         try:
             lease = backend.acquire(lock_name, ttl=60, timeout=15, blocking=True)
-            session_id = backend._client.client_id[0]
+            session_id = backend._session.client.client_id[0]
             (member,) = [m for m in ensemble.members if f"sid=0x{session_id:x}" in m.command_reply("cons")]
             states = []
-            backend._client.add_listener(states.append)  # after the backend's own listener
+            backend._session.client.add_listener(states.append)  # after the backend's own listener
             member.kill()
             # Kill, SUSPENDED and reconnection can all happen within milliseconds: record, don't poll.
             wait_for(lambda: states[-1:] == [KazooState.CONNECTED], 30, "reconnection to another member")
             assert KazooState.SUSPENDED in states
             wait_for(lambda: not lease.suspended, 15, "the lease being valid again")
             lease.check()
-            assert backend._client.client_id[0] == session_id, "same session"
+            assert backend._session.client.client_id[0] == session_id, "same session"
             with pytest.raises(distlock.LockNotAcquired):
                 backend.acquire(lock_name, ttl=5, timeout=0, blocking=False)
             assert lease.release() is True
@@ -811,7 +823,7 @@ def test_a_create_given_up_on_is_deleted_when_its_reply_comes_late(backends, pro
     assert time.monotonic() - started < 0.2 + 1.0 + 1.0, "the caller's timeout plus the 1 s request grace"
     proxied.heal()
     # The node was created on the server after all; when the late reply arrives it is deleted.
-    wait_for(lambda: our_nodes(zk, options["ROOT"], lock_name) is None, 15, "the late node being deleted")
+    wait_for(lambda: our_nodes(zk, options["KEY_PREFIX"], lock_name) is None, 15, "the late node being deleted")
     lease = backends().acquire(lock_name, ttl=10, timeout=0, blocking=False)
     lease.release()
 
@@ -819,7 +831,7 @@ def test_a_create_given_up_on_is_deleted_when_its_reply_comes_late(backends, pro
 def test_extending_with_a_shorter_ttl_frees_the_lock_sooner(alias, options, zk, lock_name):
     lease = distlock.acquire(lock_name, ttl=60, using=alias)
     assert lease.extend(0.5) is True
-    wait_for(lambda: our_nodes(zk, options["ROOT"], lock_name) is None, 5, "deletion at the shortened ttl")
+    wait_for(lambda: our_nodes(zk, options["KEY_PREFIX"], lock_name) is None, 5, "deletion at the shortened ttl")
     assert lease.lost
     successor = distlock.acquire(lock_name, ttl=10, blocking=False, using=alias)
     assert successor.token > lease.token
@@ -830,13 +842,13 @@ def test_a_grant_that_arrives_after_its_ttl_is_never_handed_out(backends, proxie
     backend = backends(HOSTS=f"127.0.0.1:{proxied.port}", SESSION_TIMEOUT=5)
     backend.acquire(f"{lock_name}:warm-up", ttl=10, timeout=10, blocking=True).release()
     proxied.delay(0.3)  # each way: every reply comes 0.6 s after its request, later than a 0.4 s ttl
-    with pytest.raises(distlock.LockNotAcquired, match="after the ttl of 0.4s had run out"):
+    with pytest.raises(distlock.LockNotAcquired, match="its grant came back after its ttl had run out"):
         backend.acquire(lock_name, ttl=0.4, timeout=0, blocking=False)
     lease = backend.acquire(lock_name, ttl=5, timeout=10, blocking=True)
     assert 0 < lease.remaining() < 5 - 0.6, "validity counts from before the request that got the grant"
     assert lease.release() is True
     proxied.heal()
-    wait_for(lambda: our_nodes(zk, options["ROOT"], lock_name) is None, 10, "every node given back")
+    wait_for(lambda: our_nodes(zk, options["KEY_PREFIX"], lock_name) is None, 10, "every node given back")
 
 
 # -- tries under contention ---------------------------------------------------------------------------
@@ -888,14 +900,13 @@ def as_history(grants, lock):
 def test_tries_do_not_fail_each_other(alias, options, zk, tmp_path, lock_name):
     """2 processes x 20 threads of back-to-back non-blocking tries for 8 s, 3 ms holds: granted >= 2x as
     often as kazoo's own recipe on the same ensemble in the same run, one holder at a time. (How often
-    in absolute terms is a speed figure, so it lives in bench/tries.py: 88 to 240 grants in 8 s here,
-    depending on the machine's load.)
+    in absolute terms is a speed figure: bench/tries.py measures it.)
 
-    Each try used to queue a node that made every concurrent try fail: ~1 grant in 5,700 tries.
-    A try's request is bounded by REQUEST_GRACE (1 s): on a loaded 2-core machine a few outlive it
+    Each try used to queue a node that made every concurrent try fail ("Tries" in the protocol module).
+    A try's request is bounded by REQUEST_MINIMUM (1 s): on a loaded 2-core machine a few outlive it
     and say so (BackendUnavailable); that is the bound working, so up to 1% of tries may.
     """
-    kazoo_root = f"{options['ROOT']}-kazoo-recipe"  # this run's own, like ROOT
+    kazoo_root = f"{options['KEY_PREFIX']}-kazoo-recipe"  # this run's own, like KEY_PREFIX
     try:
         kazoo_grants, kazoo_tries, kazoo_errors = contend_with_tries(
             alias, "kazoo", f"{kazoo_root}/{encode_name(lock_name)}", tmp_path)
@@ -1020,14 +1031,14 @@ def test_green_processes_use_kazoos_green_handler(alias, lock_name, library, han
 
 @pytest.fixture
 def digest(options):
-    """Credentials, a ROOT of their own, and a kazoo client authenticated with them (the ROOT deleted after)."""
+    """Credentials, a KEY_PREFIX of their own, and a kazoo client authenticated with them (deleted after)."""
     password = f"pw-{uuid.uuid4().hex}"
     credential = f"distlock:{password}"
-    top = f"{options['ROOT']}-secured-{uuid.uuid4().hex[:8]}"
-    root = f"{top}/locks"  # two levels: see the ROOT warning of security_warnings()
+    top = f"{options['KEY_PREFIX']}-secured-{uuid.uuid4().hex[:8]}"
+    root = f"{top}/locks"  # two levels: see the KEY_PREFIX warning of security_warnings()
     authed = KazooClient(hosts=options["HOSTS"], auth_data=[("digest", credential)])
     authed.start(timeout=15)
-    secured = {"ROOT": root, "AUTH_DATA": [("digest", credential)],
+    secured = {"KEY_PREFIX": root, "AUTH_DATA": [("digest", credential)],
                "DEFAULT_ACL": [{"scheme": "digest", "credential": credential, "perms": "all"}]}
     yield {"password": password, "credential": credential, "root": root, "client": authed, "options": secured,
            "acl": [make_digest_acl("distlock", password, all=True)]}
@@ -1063,7 +1074,7 @@ def test_a_digest_acl_guards_root_parents_and_contenders_and_locks_work(backends
         zk.set(parent, b"")
     # A backend without them cannot queue (nor, so, take the lock).
     with pytest.raises(distlock.BackendUnavailable, match="NoAuth"):
-        backends(ROOT=root).acquire(lock_name, ttl=5, timeout=0, blocking=False)
+        backends(KEY_PREFIX=root).acquire(lock_name, ttl=5, timeout=0, blocking=False)
     lease.check()
     assert lease.release() is True
     thread.join(20)
@@ -1073,7 +1084,7 @@ def test_a_digest_acl_guards_root_parents_and_contenders_and_locks_work(backends
     assert [info.owner for info in waiter.held_locks()] == [second.owner]
     assert second.release() is True
     wait_for(lambda: our_nodes(authed, root, lock_name) is None, 10, "the last one out deleting the parent")
-    # Even empty, ROOT cannot be deleted (and made again with the open ACL) by others.
+    # Even empty, KEY_PREFIX cannot be deleted (and made again with the open ACL) by others.
     zk.sync(root)
     with pytest.raises(NoAuthError):
         zk.delete(root)
@@ -1093,15 +1104,15 @@ def test_credentials_never_show_in_messages_reprs_logs_or_thread_names(backends,
     shown = []
     lease = backend.acquire(lock_name, ttl=30, timeout=10, blocking=True)
     shown += [thread.name for thread in threading.enumerate()]
-    shown += texts_of(backend, rival, lease, backend.settings, backend.held_locks(), backend._client.auth_data,
-                      backend._client.default_acl, backend._client.keyfile_password)
+    shown += texts_of(backend, rival, lease, backend.settings, backend.held_locks(), backend._session.client.auth_data,
+                      backend._session.client.default_acl, backend._session.client.keyfile_password)
     with pytest.raises(distlock.LockNotAcquired) as missed:
         rival.acquire(lock_name, ttl=5, timeout=0, blocking=False)
     lease.release()
-    wrong = backends(ROOT=digest["root"], AUTH_DATA=[("digest", f"distlock:not-{password}")])
+    wrong = backends(KEY_PREFIX=digest["root"], AUTH_DATA=[("digest", f"distlock:not-{password}")])
     with pytest.raises(distlock.BackendUnavailable) as denied:
         wrong.acquire(lock_name, ttl=5, timeout=0, blocking=False)
-    down = backends(HOSTS=f"127.0.0.1:{free_port()}", CONNECTION_TIMEOUT=0.3, **digest["options"])
+    down = backends(HOSTS=f"127.0.0.1:{free_port()}", REQUEST_TIMEOUT=0.3, **digest["options"])
     with pytest.raises(distlock.BackendUnavailable) as unreachable:
         down.acquire(lock_name, ttl=5, timeout=0, blocking=False)
     for options_error in ({"AUTH_DATA": ("digest", digest["credential"])},
@@ -1129,7 +1140,7 @@ def tls_ensemble(tmp_path_factory):
 
 def tls_options(ensemble, tls, **overrides):
     return {"HOSTS": ensemble.secure_hosts, "USE_SSL": True, "CA": tls.ca, "CERTFILE": tls.client_cert,
-            "KEYFILE": tls.client_key, "KEYFILE_PASSWORD": tls.key_password, "CONNECTION_TIMEOUT": 10, **overrides}
+            "KEYFILE": tls.client_key, "KEYFILE_PASSWORD": tls.key_password, "REQUEST_TIMEOUT": 10, **overrides}
 
 
 @pytest.mark.slow
@@ -1145,7 +1156,7 @@ def test_a_lock_round_trip_over_tls(tls_ensemble, lock_name, caplog):
             with pytest.raises(distlock.LockNotAcquired):
                 rival.acquire(lock_name, ttl=10, timeout=0, blocking=False)
             assert [info.owner for info in rival.held_locks()] == [lease.owner]
-            assert locks["tls"]._client._connection._socket.version().startswith("TLS"), "a TLS socket"
+            assert locks["tls"]._session.client._connection._socket.version().startswith("TLS"), "a TLS socket"
         rival.acquire(lock_name, ttl=10, timeout=0, blocking=False).release()
         assert tls.key_password not in caplog.text + repr(rival.settings)
     finally:
@@ -1176,7 +1187,7 @@ def test_tls_that_cannot_be_established_fails_within_the_connection_timeout(tls_
     ensemble, tls = tls_ensemble
     if overrides.get("CA") == "other":
         overrides = {**overrides, "CA": tls.other_ca}
-    backend = ZooKeeperBackend("tls", tls_options(ensemble, tls, CONNECTION_TIMEOUT=1.5, **overrides))
+    backend = ZooKeeperBackend("tls", tls_options(ensemble, tls, REQUEST_TIMEOUT=1.5, **overrides))
     try:
         started = time.monotonic()
         with pytest.raises(distlock.BackendUnavailable, match="could not connect") as raised:

@@ -13,5 +13,5 @@ def zookeeper_session(client):
     """Return the ``(session id, password)`` of the client's ZooKeeper session, hex-encoded password."""
     from distlock.handler import locks  # noqa: PLC0415
 
-    session_id, password = locks[client.alias]._client.client_id
+    session_id, password = locks[client.alias]._session.client.client_id
     return {"session_id": session_id, "password": password.hex()}

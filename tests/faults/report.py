@@ -199,7 +199,7 @@ overlaps where the scenario injects no fault that could explain them: 0; the ove
   reads (grpc, psycopg) are not faked.
 - **Slow network:** the proxy holds every packet 0.25 s each way, then black-holes; FAULTS.md's
   0.5 x and 1.5 x TTL delays would make the etcd and ZooKeeper sessions themselves expire. Redlock's
-  `NODE_TIMEOUT` is raised to 1 s there, since a master slower than it counts as down by design. A
+  `REQUEST_TIMEOUT` is raised to 1 s there, since a master slower than it counts as down by design. A
   black-holed acquire may take its timeout plus one round trip (1 s) plus the 3 s slack above. Healing
   cuts the proxied connections, because the proxy drops bytes while black-holing, which TCP never does.
 - **Redlock** takes no fenced writes (`n/a`), since its tokens may go backwards and `FencedModel`

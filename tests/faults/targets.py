@@ -36,8 +36,8 @@ class Target:
         if self.key == "redlock":
             return {"URLS": list(address["urls"]), "KEY_PREFIX": f"faults-{unique}"}
         if self.key == "zookeeper":
-            return {"HOSTS": address["hosts"], "ROOT": f"/faults-{unique}", "SESSION_TIMEOUT": SESSION_TIMEOUT}
-        return {"ENDPOINTS": address["endpoints"], "PREFIX": f"/faults-{unique}/", "LEASE_TTL": SESSION_TIMEOUT}
+            return {"HOSTS": address["hosts"], "KEY_PREFIX": f"/faults-{unique}", "SESSION_TIMEOUT": SESSION_TIMEOUT}
+        return {"ENDPOINTS": address["endpoints"], "KEY_PREFIX": f"/faults-{unique}/", "LEASE_TTL": SESSION_TIMEOUT}
 
     def entry(self, **address):
         return {"BACKEND": self.backend, "OPTIONS": self.options(**address)}

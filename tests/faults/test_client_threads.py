@@ -34,7 +34,7 @@ def patient(entry):
     before a majority's replies are read reports the lease gone although every master deleted it.
     """
     if entry["BACKEND"].endswith(".RedlockBackend"):
-        return {**entry, "OPTIONS": {**entry["OPTIONS"], "NODE_TIMEOUT": 2}}
+        return {**entry, "OPTIONS": {**entry["OPTIONS"], "REQUEST_TIMEOUT": 2}}
     return entry
 
 

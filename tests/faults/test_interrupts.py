@@ -51,7 +51,7 @@ class CarelessBackend(DatabaseBackend):
             if grant is None:
                 for info in self.held_locks(attempt.name):
                     if info.name == attempt.name:
-                        self.force_release(info.name, info.owner)
+                        self.release_owned(info.name, info.owner)
                 grant = super()._try_acquire(stretched)
         except BaseException as exc:
             if type(exc).__name__ == "Interrupted":

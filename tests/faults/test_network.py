@@ -55,8 +55,8 @@ def proxied_aliases(key, stack):
     if key == "redlock":
         fronts = [proxy(_port(url)) for url in address["urls"]]
         entry = target.entry(urls=[f"redis://127.0.0.1:{p.port}/0" for p in fronts])
-        # Redlock gives each master NODE_TIMEOUT to answer (0.1 s by default): "slow" must stay below it.
-        entry["OPTIONS"]["NODE_TIMEOUT"] = 1.0
+        # Redlock gives each master REQUEST_TIMEOUT to answer (0.25 s by default): "slow" must stay below it.
+        entry["OPTIONS"]["REQUEST_TIMEOUT"] = 1.0
         return {"proxied": entry}, {}, fronts
     members = address["hosts" if key == "zookeeper" else "endpoints"].split(",")
     fronts = [proxy(_port(member)) for member in members]

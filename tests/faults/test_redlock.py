@@ -20,8 +20,9 @@ from tests.faults.targets import TARGETS
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=DATABASES)]
 
 TTL = 2.0
-#: Redlock's default per-master timeout: an acquisition with masters down fails within a few of these.
-NODE_TIMEOUT = 0.1
+#: How much longer than its 1 s timeout an acquisition with 3 of 5 masters down may take: the rounds
+#: in flight at the deadline, each answered by the masters that are up.
+DOWN_MASTERS_ALLOWANCE = 0.5
 
 
 @pytest.fixture
@@ -79,7 +80,7 @@ def test_three_of_five_masters_killed_refuses_then_resumes(masters, fault_run, s
             if exc.error != "BackendUnavailable":
                 problems.append(f"with 3 of 5 masters down, acquire raised {exc}")
         took = time.monotonic() - started
-        if took > 1.0 + 5 * NODE_TIMEOUT + RECOVERY_SLACK:
+        if took > 1.0 + DOWN_MASTERS_ALLOWANCE + RECOVERY_SLACK:
             problems.append(f"acquire with 3 of 5 masters down took {took:.2f}s (blocking={blocking})")
         for server in masters[3:]:
             left = redis.Redis.from_url(server.url).exists(f"{prefix}:lock:{name}")

@@ -2,7 +2,7 @@
 
 from django.db import models
 
-from distlock.models import FencedModel
+from distlock.fencing import FencedModel
 
 
 class Account(FencedModel):

@@ -13,17 +13,19 @@ from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, router
 from django.db.models import Max
 
 from distlock import audit, inventory
-from distlock.backends.base import EPOCH_SHIFT
+from distlock.backends.options import EPOCH_SHIFT
 from distlock.backends.database import DatabaseBackend
 from distlock.conf import DEFAULT_ALIAS, get_config
 from distlock.conformance.report import markdown_table
 from distlock.conformance.verify import NotVerifiable, verify
 from distlock.exceptions import LockError
-from distlock.fencing import TOKEN_FIELD
+from distlock.fencing import TOKEN_FIELD, FencedModel
 from distlock.handler import locks
 from distlock.metrics import conf as metrics_conf
 from distlock.metrics import report
 from distlock.redaction import redact
+
+__all__ = ["Command", "DATABASE_BACKEND_SCHEMA", "SCHEMA_LOOKUPS"]
 
 #: What the database backend's statements use, per vendor, and the distlock migration that creates each:
 #: (kind, name, migration). ``distlock check`` looks them up, since ``SELECT 1`` succeeds on a database
@@ -76,8 +78,6 @@ def _schema_error(alias):
 
 def _fenced_tables():
     """Yield ``(label, database, highest token)`` for each fenced model's table holding tokens above 0."""
-    from distlock.models import FencedModel  # noqa: PLC0415 - models are ready once a command runs
-
     for model in apps.get_models():
         if issubclass(model, FencedModel) and model._meta.managed and not model._meta.proxy:
             database = router.db_for_read(model)

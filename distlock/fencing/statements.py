@@ -1,56 +1,22 @@
-"""Fenced writes: the conditional statements that refuse stale tokens, and the record of every refusal.
+"""The statements of fenced writes: each refuses, inside the database, a token lower than the row's.
 
-Invariant kept by every statement below: a row's ``fencing_token`` never goes down, and a write
-carrying token ``t`` changes a row only while its stored token is ``<= t``. The decision is taken
-by the database inside one statement, so two holders racing cannot both pass a check made earlier.
-
-Save (``FencedModel._do_update``; Django builds it from the model's fields)::
-
-    UPDATE <table> SET <fields>, fencing_token = t WHERE pk = %s AND fencing_token <= t
-    -- 1 row: written. 0 rows: a read tells "no such row" (Django inserts it) from "stale" (refused).
-
-Bulk (``FencedQuerySet.fenced_update``), in one transaction::
-
-    UPDATE <table> SET <fields>, fencing_token = t WHERE <filter> AND fencing_token <= t
-    SELECT pk, fencing_token FROM <table> WHERE <filter> AND fencing_token > t   -- each one a rejection
-
-Claim (``FencedQuerySet.claim``): ``CLAIM_BY_PK_SQL`` or, for any other lookup, ``CLAIM_SQL`` where
-``UPDATE … RETURNING`` exists (PostgreSQL, SQLite >= 3.35); elsewhere ``SELECT … FOR UPDATE`` then
-the same conditional UPDATE, in a transaction. ``claim()`` refuses to run inside the caller's open
-transaction: a rollback would lower the token again (``claim_in_transaction()`` accepts that, explicitly).
-
-Every other statement that can set the token (``QuerySet.update()``, ``bulk_update()``,
-``bulk_create(update_conflicts=True)``) is refused on a ``FencedQuerySet`` unless the caller asked
-for it with ``unfenced()`` (``refuse_token_write``).
-
-Rejections are counted, logged to ``FencingRejection`` so that the row outlives the caller's
-transaction (``log_rejections`` says how, per database) and signalled.
+See ``distlock.fencing`` for the statements and the invariant they keep.
 """
 
-import logging
-import threading
-import time
-from dataclasses import dataclass
-
-from django.apps import apps
-from django.core.exceptions import EmptyResultSet, FieldDoesNotExist
-from django.db import DatabaseError, OperationalError, connections, router, transaction
+from django.core.exceptions import EmptyResultSet
+from django.db import connections, transaction
 from django.db.models.lookups import LessThanOrEqual
 from django.db.models.sql.where import AND
 from django.db.transaction import TransactionManagementError
 
-from distlock import metrics
-from distlock.exceptions import StaleFencingToken, UnsafeFencingToken
-from distlock.holder import current_holder
-from distlock.lease import Lease
-from distlock.signals import fencing_token_rejected
+from distlock.exceptions import StaleFencingToken
+from distlock.fencing.rejections import record_rejections
 
-logger = logging.getLogger("distlock.fencing")
+__all__ = ["ATTEMPTS", "CLAIM_BY_PK_SQL", "CLAIM_SQL", "TOKEN_FIELD", "claim", "fenced_update", "guards",
+           "refuse_open_transaction", "update_row", "updates_return_rows"]
 
+#: The column ``FencedModel`` keeps the token in; every statement below guards it.
 TOKEN_FIELD = "fencing_token"
-
-#: Largest token a ``BigIntegerField`` stores.
-MAX_TOKEN = 2**63 - 1
 
 # Claim: raise the row's token to t unless a higher token holds it, and return the row as stored.
 #   {matched}    the caller's lookup, compiled by the ORM: SELECT pk FROM <table> WHERE <lookup>
@@ -71,97 +37,12 @@ CLAIM_BY_PK_SQL = "UPDATE {table} SET {token} = %s WHERE {pk} = %s AND {token} <
 #: read that explains the refusal (a row inserted, or a token lowered by an unfenced ``update()``).
 ATTEMPTS = 3
 
-#: Seconds a deferred SQLite log write keeps retrying while the caller's transaction holds the database.
-SQLITE_LOG_PATIENCE = 600
-
-
-@dataclass(frozen=True)
-class Offer:
-    """A fencing token offered with a write, and what is known of the lock that issued it."""
-
-    token: int
-    #: The lock's name and alias, known when a ``Lease`` was given rather than a bare int.
-    lock_name: str | None = None
-    alias: str | None = None
-
-
-# -- what the caller offers -----------------------------------------------------------------------
-
-def offer_for_save(model, lease, fencing_token):
-    """Return the ``Offer`` of ``save(lease=...)`` or ``save(fencing_token=...)``; None when neither is given."""
-    if lease is not None and fencing_token is not None:
-        raise TypeError("save() takes lease= or fencing_token=, not both: the lease's token is the fencing token.")
-    if lease is not None:
-        if not isinstance(lease, Lease):
-            raise TypeError(
-                f"lease must be a distlock Lease, got {type(lease).__name__}; pass a bare token as fencing_token=."
-            )
-        return lease_offer(model, lease)
-    if fencing_token is not None:
-        return token_offer(fencing_token, "fencing_token", "an int fencing token (lease.token)")
-    return None
-
-
-def offer(model, lease_or_token, argument):
-    """Return the ``Offer`` of ``lease_or_token``, a ``Lease`` or an int token (``claim``, ``fenced_update``)."""
-    if isinstance(lease_or_token, Lease):
-        return lease_offer(model, lease_or_token)
-    return token_offer(lease_or_token, argument, "a distlock Lease or an int fencing token")
-
-
-def lease_offer(model, lease):
-    """Return the ``Offer`` of ``lease``, checked before any I/O.
-
-    A lease known lost or expired raises ``LockLost``; a lease from a backend whose tokens may go
-    backwards (Redlock) raises ``UnsafeFencingToken`` unless ``model.allow_unsafe_tokens``.
-    """
-    if not lease.token_is_safe and not model.allow_unsafe_tokens:
-        raise UnsafeFencingToken(
-            f"{model._meta.label} refuses the lease on {lease.name!r}: alias '{lease.alias}' "
-            f"({type(lease.backend).__name__}) cannot promise that its tokens never go backwards. Use a "
-            f"backend with safe tokens, or set allow_unsafe_tokens = True on {model.__name__} to accept the risk."
-        )
-    lease.check()
-    return Offer(token=lease.token, lock_name=lease.name, alias=lease.alias)
-
-
-def token_offer(token, argument, expected):
-    if isinstance(token, bool) or not isinstance(token, int):
-        raise TypeError(f"{argument} must be {expected}, got {type(token).__name__}.")
-    if not 0 < token <= MAX_TOKEN:
-        raise ValueError(f"{argument} must be a fencing token between 1 and 2**63 - 1, got {token}.")
-    return Offer(token=token)
-
 
 def guards(table_model, model):
     """Return True if ``table_model``'s table holds ``model``'s token (False for the other tables of
     multi-table inheritance, which are written unconditionally inside the same save)."""
     owner = model._meta.get_field(TOKEN_FIELD).model
     return owner._meta.concrete_model is table_model._meta.concrete_model
-
-
-# -- the writes distlock does not make -------------------------------------------------------------
-
-def refuse_token_write(queryset, method, names):
-    """Raise ``ValueError`` if ``names`` (field names or attnames) set the token and ``queryset`` is not ``unfenced()``.
-
-    ``method`` is the call as the caller wrote it, for the message.
-    """
-    if getattr(queryset, "_token_writable", False):
-        return
-    model = queryset.model
-    for name in names:
-        try:
-            field = model._meta.get_field(name)
-        except FieldDoesNotExist:
-            continue  # Django reports it, with its own message
-        if getattr(field, "attname", None) == TOKEN_FIELD:
-            raise ValueError(
-                f"{model._meta.label}: {method} would set {TOKEN_FIELD} outside the fence; a lowered token "
-                f"lets stale holders' writes through. Write under the fence with fenced_update(lease, **fields) "
-                f"or save(lease=lease); to set the token yourself (e.g. to reset rows after moving to another "
-                f"lock alias), ask for it: {model.__name__}.objects.unfenced().{method.split('(')[0]}(...)."
-            )
 
 
 def _token_writer(queryset):
@@ -186,8 +67,6 @@ def refuse_open_transaction(model, using):
             "make the claim part of your transaction and claim again after any rollback."
         )
 
-
-# -- the statements -------------------------------------------------------------------------------
 
 def update_row(instance, base_qs, pk_val, values, offer):
     """Run the conditional UPDATE of a fenced save; return False if the row does not exist (Django inserts it).
@@ -370,91 +249,3 @@ def _kept_changing(model, lookup):
         f"{model._meta.label} matching {lookup!r} changed {ATTEMPTS} times between a refused fenced write and "
         "the read that explains it (rows inserted, or tokens lowered by an unfenced update()); retry the write."
     )
-
-
-# -- rejections -----------------------------------------------------------------------------------
-
-def record_rejections(model, offer, using, stale_rows):
-    """Count, log and signal each refused row; ``stale_rows`` is ``[(pk, current_token), ...]``.
-
-    The counter and the log are keyed by the lease's lock alias (and the counter by its lock name); a
-    bare int token names no lock, so its rejections are keyed by the database alias ``using`` instead.
-    """
-    alias = offer.alias or using
-    holder = current_holder()
-    rejection_model = apps.get_model("distlock", "FencingRejection")
-    entries = []
-    for pk, current in stale_rows:
-        metrics.record_rejection(alias, offer.lock_name or "")
-        logger.warning(
-            "Refused a stale write to %s pk=%r: token %s < stored %s (lock %r, alias %r).",
-            model._meta.label, pk, offer.token, current, offer.lock_name, alias,
-        )
-        entries.append(rejection_model(
-            model_label=model._meta.label, object_pk=str(pk), offered_token=offer.token, current_token=current,
-            lock_name=offer.lock_name or "", alias=alias, host=holder.host, pid=holder.pid,
-        ))
-    # Where the routers keep distlock's own tables, not necessarily the fenced model's database.
-    log_rejections(entries, router.db_for_write(rejection_model))
-    for pk, current in stale_rows:
-        responses = fencing_token_rejected.send_robust(
-            sender=model, model=model, pk=pk, offered_token=offer.token, current_token=current,
-            lock_name=offer.lock_name,
-        )
-        for receiver, response in responses:
-            if isinstance(response, Exception):
-                logger.error("fencing_token_rejected receiver %r failed", receiver, exc_info=response)
-
-
-def log_rejections(entries, using):
-    """Write ``entries`` to database ``using`` so that they outlive the caller's transaction.
-
-    Outside a transaction they go in at once on the caller's connection. Inside one they go in on a
-    connection of their own, from a helper thread:
-
-    - PostgreSQL (any database with concurrent writers): the insert commits at once; we wait for it.
-    - SQLite has a single writer, and the caller's transaction holds it (it just ran the refused
-      UPDATE). The helper's insert waits in SQLite's busy handler, retrying for
-      ``SQLITE_LOG_PATIENCE`` seconds, until that transaction commits or rolls back; the caller does
-      not wait. The thread is not a daemon, so the process finishes the write before exiting.
-    """
-    connection = connections[using]
-    if not connection.in_atomic_block and connection.get_autocommit():
-        _insert(entries, using)
-        return
-    sqlite = connection.vendor == "sqlite"
-    writer = threading.Thread(
-        target=_insert_on_own_connection, args=(entries, using, SQLITE_LOG_PATIENCE if sqlite else 0),
-        name="distlock-rejection-log",
-    )
-    writer.start()
-    if not sqlite:
-        writer.join()
-
-
-def _insert(entries, using):
-    """Insert the rows; a failure is logged, never raised, so it cannot hide the rejection itself."""
-    try:
-        type(entries[0])._base_manager.using(using).bulk_create(entries)
-    except DatabaseError:
-        logger.exception("Could not log %d fencing rejection(s) to database %r.", len(entries), using)
-
-
-def _insert_on_own_connection(entries, using, patience):
-    deadline = time.monotonic() + patience
-    try:
-        while True:
-            try:
-                type(entries[0])._base_manager.using(using).bulk_create(entries)
-                return
-            except OperationalError as exc:
-                # SQLite: "database is locked" once the busy timeout ran out (or "database table is
-                # locked" on a shared-cache database): the caller's transaction is still open. Anything
-                # else, or patience exhausted, is logged below.
-                if "locked" not in str(exc) or time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.05)
-    except DatabaseError:
-        logger.exception("Could not log %d fencing rejection(s) to database %r.", len(entries), using)
-    finally:
-        connections[using].close()

@@ -1,0 +1,320 @@
+"""The database backend's protocol: its statements on PostgreSQL and SQLite, and how each database runs them.
+
+A lock is one row of ``distlock_lock`` (``distlock.models.Lock``), unique by name. A row whose
+``expires_at`` has passed by the database's own clock is free: no statement uses the client's clock.
+Every statement compares the random owner id, so nobody changes a lock it does not hold.
+"""
+
+import hashlib
+import math
+import os
+import socket
+import zoneinfo
+from datetime import timezone as dt_timezone
+
+from django.conf import settings
+from django.db import DatabaseError
+from django.db.utils import load_backend
+from django.utils import timezone
+
+from distlock.backends.deadlines import DeadlineTimer
+
+__all__ = ["DIALECTS", "MIN_SQLITE_VERSION", "UNWATCHED", "close_quietly", "engine_vendor", "table_locked"]
+
+# -- PostgreSQL ---------------------------------------------------------------------------------------
+
+# Acquire: one statement, so one transaction; RETURNING gives (token, acquired_at, expires_at) when
+# acquired, no row when the lock is held.
+# - name_guard: a transaction-scoped advisory lock on (GUARD_NAMESPACE, hash of the name), released at
+#   commit, so it cannot strand behind PgBouncer. It makes acquisitions of one name draw their tokens
+#   one after the other: nextval() runs before the row is inserted, and without the guard another
+#   process could draw a higher token, acquire and release the same name in between, and this insert
+#   would then hold the lock with a lower token than its predecessor.
+# - The token is nextval() of the alias-wide sequence (migration 0002): never reused, never rolled back.
+# - ON CONFLICT takes the row over only if it has expired, or if it is this very call's own row (its
+#   reply was lost with a broken connection and the call was retried).
+PG_ACQUIRE = """
+WITH name_guard AS MATERIALIZED (SELECT pg_advisory_xact_lock(%(guard_namespace)s, %(guard_key)s))
+INSERT INTO distlock_lock AS held (name, owner, token, acquired_at, expires_at, host, pid, task_id)
+SELECT %(name)s, %(owner)s, nextval('distlock_token_seq'), clock_timestamp(),
+       clock_timestamp() + make_interval(secs => %(ttl)s), %(host)s, %(pid)s, %(task_id)s
+FROM name_guard
+ON CONFLICT (name) DO UPDATE
+SET owner = EXCLUDED.owner, token = EXCLUDED.token, acquired_at = EXCLUDED.acquired_at,
+    expires_at = EXCLUDED.expires_at, host = EXCLUDED.host, pid = EXCLUDED.pid, task_id = EXCLUDED.task_id
+WHERE held.expires_at <= clock_timestamp() OR held.owner = EXCLUDED.owner
+RETURNING token, acquired_at, expires_at
+"""
+
+# Release (release_owned): compare-and-delete. Returns no row if the lock is not ours, else whether it
+# was still unexpired; an expired row of ours is deleted too, to leave no litter, but reported False,
+# since the lock had already lapsed.
+PG_RELEASE = """
+DELETE FROM distlock_lock WHERE name = %(name)s AND owner = %(owner)s
+RETURNING expires_at > clock_timestamp()
+"""
+
+# Extend: compare-and-extend; an expired lock stays lost even if nobody took it over.
+PG_EXTEND = """
+UPDATE distlock_lock SET expires_at = clock_timestamp() + make_interval(secs => %(ttl)s)
+WHERE name = %(name)s AND owner = %(owner)s AND expires_at > clock_timestamp()
+RETURNING expires_at
+"""
+
+PG_HELD = """
+SELECT name, owner, token, acquired_at, expires_at, host, pid, task_id FROM distlock_lock
+WHERE expires_at > clock_timestamp() AND left(name, %(prefix_length)s) = %(prefix)s
+ORDER BY name
+"""
+
+# Keeps distlock's guard keys apart from the application's own two-key advisory locks ("dlk\0").
+GUARD_NAMESPACE = 0x646C6B00
+
+# -- SQLite ----------------------------------------------------------------------------------------------
+
+# Acquire: SQLite has one write slot per database. BEGIN IMMEDIATE takes it before anything is read,
+# so each acquisition is serialized against every other writer of every process; tokens therefore
+# strictly increase in the order locks are granted. Steps, in that one transaction:
+SQLITE_BEGIN = "BEGIN IMMEDIATE"
+# 1. The next alias-wide token: one more than the last, and never below the database clock in
+#    microseconds, so a TokenSequence row deleted (a test-suite flush, a restore) does not send
+#    tokens backwards.
+SQLITE_NEXT_TOKEN = """
+INSERT INTO distlock_tokensequence (id, value)
+VALUES (1, CAST((julianday('now') - 2440587.5) * 86400000000 AS INTEGER))
+ON CONFLICT (id) DO UPDATE SET value = max(value + 1, excluded.value)
+RETURNING value
+"""
+# 2. The upsert, taking an expired row over (or this call's own row, as on PostgreSQL). Times are
+#    stored as 'YYYY-MM-DD HH:MM:SS.SSS' UTC text from SQLite's clock: one fixed format, so text
+#    comparison is time comparison, and Django reads it as a DateTimeField.
+SQLITE_ACQUIRE = """
+INSERT INTO distlock_lock (name, owner, token, acquired_at, expires_at, host, pid, task_id)
+VALUES (:name, :owner, :token, strftime('%Y-%m-%d %H:%M:%f', 'now'),
+        strftime('%Y-%m-%d %H:%M:%f', 'now', '+' || :ttl || ' seconds'), :host, :pid, :task_id)
+ON CONFLICT (name) DO UPDATE
+SET owner = excluded.owner, token = excluded.token, acquired_at = excluded.acquired_at,
+    expires_at = excluded.expires_at, host = excluded.host, pid = excluded.pid, task_id = excluded.task_id
+WHERE distlock_lock.expires_at <= excluded.acquired_at OR distlock_lock.owner = excluded.owner
+RETURNING token, acquired_at, expires_at
+"""
+# 3. COMMIT if a row came back; otherwise ROLLBACK, which also gives the drawn token back.
+
+SQLITE_RELEASE = """
+DELETE FROM distlock_lock WHERE name = :name AND owner = :owner
+RETURNING expires_at > strftime('%Y-%m-%d %H:%M:%f', 'now')
+"""
+
+SQLITE_EXTEND = """
+UPDATE distlock_lock SET expires_at = strftime('%Y-%m-%d %H:%M:%f', 'now', '+' || :ttl || ' seconds')
+WHERE name = :name AND owner = :owner AND expires_at > strftime('%Y-%m-%d %H:%M:%f', 'now')
+RETURNING expires_at
+"""
+
+SQLITE_HELD = """
+SELECT name, owner, token, acquired_at, expires_at, host, pid, task_id FROM distlock_lock
+WHERE expires_at > strftime('%Y-%m-%d %H:%M:%f', 'now') AND substr(name, 1, :prefix_length) = :prefix
+ORDER BY name
+"""
+
+#: The first SQLite with RETURNING.
+MIN_SQLITE_VERSION = (3, 35)
+
+#: libpq rounds a connect_timeout below 2 seconds up to 2.
+MIN_CONNECT_TIMEOUT = 2
+
+
+def engine_vendor(engine):
+    """Return the vendor of a Django database ENGINE (imports it, does no I/O)."""
+    return load_backend(engine).DatabaseWrapper.vendor
+
+
+def table_locked(exc):
+    """True for SQLite's "database table is locked": another connection of a shared cache holds the table."""
+    return getattr(exc.__cause__, "sqlite_errorname", "").startswith("SQLITE_LOCKED")
+
+
+def close_quietly(wrapper):
+    """Close ``wrapper`` (rolling back anything half done); its next use reconnects."""
+    try:
+        wrapper.close()
+    except DatabaseError:
+        pass  # the connection is already broken: closing it has nothing left to do
+
+
+class _Unwatched:
+    """The watch of a statement no timer cuts off (SQLite's, and a call's before its statement starts)."""
+
+    severed = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, traceback):
+        pass
+
+
+UNWATCHED = _Unwatched()
+
+
+class _Watch:
+    """One statement on a PostgreSQL connection, severed by the dialect's timer if it outlives its deadline.
+
+    A class, not a generator: a generator an interrupt left suspended runs its ``finally`` when
+    collected, in any thread, possibly the timer's own while it holds the timer's lock (a deadlock).
+    """
+
+    severed = False
+
+    def __init__(self, timer, wrapper, deadline):
+        self._timer, self._wrapper, self._deadline = timer, wrapper, deadline
+
+    def __enter__(self):
+        self._timer.schedule(self._wrapper, self._deadline)
+        return self
+
+    def __exit__(self, exc_type, exc, traceback):
+        # False once the timer fired: under its lock, so after this the timer cannot sever the connection.
+        self.severed = not self._timer.cancel(self._wrapper)
+
+
+class _Dialect:
+    """One database's side of the protocol: its statements, run the same way by both databases."""
+
+    #: How operators know the database, in messages.
+    label = None
+    #: Release, extend and listing statements: set by each database below.
+    RELEASE = EXTEND = HELD = None
+
+    def connect(self, wrapper, bound, configured_options):
+        """Connect ``wrapper`` if it is not, within ``bound`` seconds; bound its statements by ``bound`` too."""
+        raise NotImplementedError
+
+    def watch(self, wrapper, deadline):
+        """Return a context manager around one statement on ``wrapper`` that must end by ``deadline``."""
+        return UNWATCHED
+
+    def disconnect(self, wrapper):
+        """Close ``wrapper``: the only way the backend closes a connection of its own."""
+        close_quietly(wrapper)
+
+    def acquire(self, cursor, params):
+        raise NotImplementedError
+
+    def release(self, cursor, params):
+        cursor.execute(self.RELEASE, params)
+        return cursor.fetchone()
+
+    def extend(self, cursor, params):
+        cursor.execute(self.EXTEND, params)
+        return cursor.fetchone()
+
+    def held(self, cursor, params):
+        cursor.execute(self.HELD, params)
+        return cursor.fetchall()
+
+    @staticmethod
+    def aware(value):
+        """Return the database's datetime ``value`` as an aware one."""
+        raise NotImplementedError
+
+    def close(self):
+        pass
+
+
+class _PostgreSQL(_Dialect):
+    """The PostgreSQL side of the protocol: statements, connect timeout, and a timer that cuts statements off.
+
+    psycopg has no client-side statement timeout, and TCP keeps the connection to a paused or
+    black-holed server open indefinitely: shutting its socket down makes the blocked call fail at
+    once. The timer's keys are the connection wrappers themselves; its callback runs under the timer's
+    lock, so once a statement's watch is cancelled, the timer cannot touch that connection any more.
+    An interrupt may skip that cancel, but the call then closes the connection through ``disconnect``,
+    which cancels first; and until then the timer's reference keeps the wrapper (its socket) alive. So
+    the timer never shuts down a socket of another call, even one that reuses the file descriptor.
+    """
+
+    label = "PostgreSQL"
+    RELEASE, EXTEND, HELD = PG_RELEASE, PG_EXTEND, PG_HELD
+
+    def __init__(self):
+        self.timer = DeadlineTimer(_sever, name="distlock-db-watchdog", under_lock=True)
+
+    def connect(self, wrapper, bound, configured_options):
+        if wrapper.connection is None:
+            # The caller's bound, unless the project configured a shorter connect_timeout.
+            configured = configured_options.get("connect_timeout") or math.inf
+            wrapper.settings_dict["OPTIONS"]["connect_timeout"] = max(MIN_CONNECT_TIMEOUT,
+                                                                      math.ceil(min(bound, configured)))
+            wrapper.ensure_connection()
+
+    def watch(self, wrapper, deadline):
+        return _Watch(self.timer, wrapper, deadline)
+
+    def disconnect(self, wrapper):
+        self.timer.cancel(wrapper)  # before the socket is closed and its descriptor reused
+        close_quietly(wrapper)
+
+    def acquire(self, cursor, params):
+        key = int.from_bytes(hashlib.blake2b(params["name"].encode(), digest_size=4).digest(), "big", signed=True)
+        cursor.execute(PG_ACQUIRE, {**params, "guard_namespace": GUARD_NAMESPACE, "guard_key": key})
+        return cursor.fetchone()
+
+    @staticmethod
+    def aware(value):
+        # With USE_TZ, Django's psycopg loaders give aware datetimes; without it, naive ones in the
+        # connection's time zone, which Django sets to TIME_ZONE.
+        if timezone.is_aware(value):
+            return value
+        return timezone.make_aware(value, zoneinfo.ZoneInfo(settings.TIME_ZONE)).astimezone(dt_timezone.utc)
+
+    def close(self):
+        self.timer.stop()
+
+
+def _sever(wrapper):
+    """Shut the socket of ``wrapper``'s connection down for both directions (the timer's callback).
+
+    Its call still owns the connection and closes it; only the blocked statement fails, at once.
+    """
+    connection = wrapper.connection
+    if connection is None or connection.closed:
+        return
+    try:
+        with socket.socket(fileno=os.dup(connection.fileno())) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    except (OSError, wrapper.Database.Error):
+        pass  # libpq already dropped the socket: nothing left to interrupt
+
+
+class _SQLite(_Dialect):
+    """The SQLite side of the protocol: statements, and the busy timeout as the bound."""
+
+    label = "SQLite"
+    RELEASE, EXTEND, HELD = SQLITE_RELEASE, SQLITE_EXTEND, SQLITE_HELD
+
+    def connect(self, wrapper, bound, configured_options):
+        wrapper.ensure_connection()
+        # The busy timeout is how long a statement waits for the write slot: SQLite's only way to hang.
+        wrapper.connection.execute(f"PRAGMA busy_timeout = {int(bound * 1000)}")
+
+    def acquire(self, cursor, params):
+        try:
+            cursor.execute(SQLITE_BEGIN)  # inside: an interrupt just after it must roll back too
+            cursor.execute(SQLITE_NEXT_TOKEN)
+            (token,) = cursor.fetchone()
+            cursor.execute(SQLITE_ACQUIRE, {**params, "token": token})
+            row = cursor.fetchone()
+            cursor.execute("COMMIT" if row is not None else "ROLLBACK")
+        except BaseException:
+            cursor.connection.rollback()
+            raise
+        return row
+
+    @staticmethod
+    def aware(value):
+        return value.replace(tzinfo=dt_timezone.utc)  # SQLite's clock is UTC; Django parses the text naive
+
+
+#: The dialect of each supported database vendor.
+DIALECTS = {"postgresql": _PostgreSQL, "sqlite": _SQLite}

@@ -1,0 +1,523 @@
+"""The ZooKeeper lock protocol: a queue of ephemeral sequential znodes per lock, its rules, a contender's turns."""
+
+import re
+import threading
+from contextlib import suppress
+from urllib.parse import quote, unquote
+
+from kazoo.exceptions import (
+    BadVersionError,
+    NodeExistsError,
+    NoNodeError,
+    NotEmptyError,
+    RolledBackError,
+    RuntimeInconsistency,
+)
+from kazoo.protocol.states import EventType
+
+from distlock.backends.zookeeper.session import NoAnswer
+from distlock.holder import holder_record, read_holder_record
+
+__all__ = ["READ", "WRITE", "Contender", "NodeGone", "Taken", "ahead_of", "blocker_of", "decode_name",
+           "delete_owned", "encode_name", "foreign_nodes", "holders", "holders_of", "release"]
+
+# -- Znode layout and protocol ---------------------------------------------------------------------
+#
+#   KEY_PREFIX/<encoded name>                            persistent; exists only while someone holds or waits
+#   KEY_PREFIX/<encoded name>/<owner>-<kind>-<sequence>  ephemeral sequential: one per holder or waiter;
+#                                                        kind "write" (lock(), write_lock()) or "read";
+#                                                        data: JSON {"owner", "host", "pid", "task_id"}
+#
+# - Who holds: a "write" node holds when no node with a lower sequence exists; a "read" node holds
+#   when no *write* node with a lower sequence exists. A waiter watches only the nearest node it waits
+#   for (a writer its predecessor, a reader the nearest earlier writer), so a release wakes one waiter
+#   instead of the herd.
+# - Fencing token: the zxid (ensemble-wide transaction id) of the holder node at its grant: its czxid
+#   when our node was the parent's only child at that zxid, else the mzxid of a set_data on our own
+#   node, sent once it finds it holds. A waiter's czxid dates from when it queued, older than tokens
+#   other names were granted meanwhile; and a node first in the listing read behind its create may
+#   still have had a predecessor at its czxid, granted a larger (re-stamped) token and gone in between.
+#   Re-stamping makes every token larger than every token granted before it, for any name of the
+#   ensemble, as the foundation contract promises. Uncontended: no extra request.
+# - Every write, even one that fails, is a transaction through the quorum, so each step below costs
+#   one transaction; reads sent right behind it on the same session (ZooKeeper answers a session's
+#   requests in order) add no round trip.
+# - Acquire, nobody else queuing: multi[create parent, create our node, set_data parent]: one request.
+#   Our node gets sequence 0 in the fresh parent, so we hold the lock without listing; the set_data
+#   returns the parent's stat at the multi's zxid: its mzxid is our node's czxid, its child count tells
+#   whether our node was alone. If the parent exists (NodeExists rolls the multi back), or the name
+#   was recently crowded: create our node alone (same multi without the parent), with a listing sent
+#   behind it. NoNode means a leaver just deleted the parent: start over.
+# - Release, alone since acquiring: multi[delete our node, delete parent]. NotEmpty (someone queued
+#   meanwhile) rolls it back; then, and when the name is crowded, delete our node alone.
+# - Whoever deletes its node alone (release, ttl expiry, a non-blocking miss, a timed-out or cancelled
+#   wait) lists the parent right behind the delete and deletes it if empty: the last one out removes
+#   the parent, so no empty znode is left behind. A delete racing a create fails harmlessly (NotEmpty),
+#   a create racing a delete gets NoNode and starts over.
+# - Lost replies: our node's name starts with the random owner id, so after a connection loss during
+#   its create we find it by listing (the trick kazoo took from Netflix Curator); a node we gave up on
+#   is deleted when its late reply arrives, or after reconnecting.
+# - Tries (blocking=False) make a node only where it would hold. A try that queued like a waiter
+#   made every try behind it fail until its owner, having lost, deleted it: with tries always in
+#   flight the lock was free nearly all the time and nobody got it (1 grant in ~5,700 tries). A try:
+#   1. Sends multi[create parent, create our node, set_data parent], with a listing of the parent
+#      and its stat behind it, on a crowded name too: when the lock is free a try wins in one
+#      request. It commits only if the parent did not exist: our node is alone, and holds.
+#   2. Else nothing was made, and the listing shows why. A node the try would wait for (any node for
+#      a writer, a writer for a reader): the lock is held, or a waiter queued first: fail, leaving
+#      nothing. Else send multi[check parent version = the listed one, create our node, set_data
+#      parent] with a listing behind it; if it commits, our node holds or waits by the rules above,
+#      like any node. If it fails (BadVersion: a contender was created since the listing; NoNode:
+#      the parent went) nothing was made: back to 2 with its listing (1 if the parent is gone).
+#   3. After TRY_ROUNDS multis that made nothing, it creates its node unconditionally and decides
+#      from the listing behind it, as every try once did.
+#   The parent's data version counts creates: every create of every version of this module stamps
+#   the parent in the same multi. (It restarts when the parent is deleted and made again, so it can
+#   come back to a listed value: the check only spares nodes, it is never a reason to hold.)
+#   Why this is sound:
+#   - No two holders: multis decide whether a node is made, never whether it holds. A try's node
+#     holds by the rules above, from its multi's child count (alone at its zxid) or from the listing
+#     behind it, as a waiter's does; sequences follow zxid order, so one write node is lowest.
+#   - A try fails only if the lock is held or a waiter queued first: it fails only on a listing that
+#     shows a node it would wait for: the lowest such node holds, any other one queued before the
+#     try. (As of the zxid the member serving the listing has applied, as for every read; the
+#     listings of steps 1 and 2 come behind a write of this session, so they are at least that new.)
+#   - Concurrent tries resolve to one winner, the first to commit: the leader serialises their
+#     multis; the first to commit makes the parent (1) or passes its check (2), and its set_data moves
+#     the version, so every later multi of step 2 fails without making a node, and, looking again,
+#     sees the winner. Losers make no node (before step 3), so the winner is the lowest try node.
+#   - No livelock: a try goes round again only after a multi of step 2 made nothing, which takes
+#     another contender's create, or a leaver's delete of the parent, committed since its listing:
+#     every lost round is matched by someone else's progress, and of the tries racing from one
+#     listing the first to commit wins.
+#   - Bounded: a try sends at most TRY_ROUNDS multis, each with its listing, then at most one plain
+#     create with its listing, and never waits for a watch; each request is bounded by REQUEST_TIMEOUT
+#     cut to the caller's timeout (0 for every try of the public API), but never below
+#     REQUEST_MINIMUM (1 s). (Like every create, one that meets the parent's delete starts over.)
+#   - Tokens follow the rules above (fresh only when alone at the create's zxid, else re-stamped),
+#     so tokens keep their order across the alias for tries too; sessions, SUSPENDED and LOST are
+#     untouched. The node format is unchanged: a process of the previous version sees a try's node
+#     as the plain node it is, and its own tries' nodes are plain nodes this version fails on.
+# - Foreign children. The protocol counts only children whose name parses (owner, kind, and a
+#   sequence of digits: never negative) and that are ephemeral. Anything else under a lock's parent
+#   (a persistent node planted by hand or by a hostile client, say "x-write--000000001", which would
+#   sort first and block the lock forever) is ignored: names by the pattern, persistence by the stat
+#   of the node a contender would wait for or fail on (read once, remembered), and by the holder's
+#   stat in ``holders()``. ``foreign_nodes()`` reports them, for ``distlock check``.
+
+WRITE, READ = "write", "read"
+
+#: A contender's node name. ZooKeeper's sequence suffix is 10 digits and never negative in a parent
+#: (parents are deleted when empty, long before 2**31 creates): a "-" sequence is planted, not ours.
+_NODE_NAME = re.compile(r"^(?P<owner>[^-]+)-(?P<kind>read|write)-(?P<sequence>\d+)$")
+
+#: How many multis of a try may make nothing (see "Tries" above) before it creates its node
+#: unconditionally, as a waiter does, and lets the listing behind it decide.
+TRY_ROUNDS = 3
+
+
+def encode_name(name):
+    """Return lock ``name`` as one valid znode name, reversibly.
+
+    Percent-encoded UTF-8 keeps only ``A-Z a-z 0-9 _ - ~ %``: no "/", no characters ZooKeeper refuses,
+    and "." is escaped as well because "." and ".." are not valid node names.
+    """
+    return quote(name, safe="").replace(".", "%2E")
+
+
+def decode_name(node):
+    return unquote(node)
+
+
+class NodeGone(Exception):
+    """Our znode is no longer there (its session ended, or an operator deleted it): queue again."""
+
+
+class Taken(Exception):
+    """A try saw a node it would wait for (the lock is held, or a waiter queued first): it made no node."""
+
+
+def blocker_of(node, children):
+    """Return the child ``node`` must wait for, None if it holds the lock; raise ``NodeGone`` if it is gone.
+
+    Pure function of one listing, so the rules of the layout above live in one place.
+    """
+    mine = _NODE_NAME.match(node)
+    if node not in children or mine is None:
+        raise NodeGone(node)
+    return _nearest_before(mine["kind"], int(mine["sequence"]), children)
+
+
+def ahead_of(kind, children):
+    """Return the child a node of ``kind`` queued behind all of ``children`` would wait for; None if none."""
+    return _nearest_before(kind, None, children)
+
+
+def _nearest_before(kind, sequence, children):
+    """Return the nearest child before ``sequence`` (None: after every child) that a ``kind`` node waits for."""
+    nearest, nearest_sequence = None, None
+    for child in children:
+        other = _NODE_NAME.match(child)
+        if other is None or (kind == READ and other["kind"] != WRITE):
+            continue
+        other_sequence = int(other["sequence"])
+        if (sequence is None or other_sequence < sequence) and (
+                nearest_sequence is None or other_sequence > nearest_sequence):
+            nearest, nearest_sequence = child, other_sequence
+    return nearest
+
+
+def holders_of(children):
+    """Return the children holding the lock: the first writer, or the readers before the first writer."""
+    contenders = sorted((int(m["sequence"]), m["kind"], child)
+                        for child in children if (m := _NODE_NAME.match(child)))
+    holders = []
+    for _, kind, child in contenders:
+        if kind == WRITE:
+            return holders or [child]
+        holders.append(child)
+    return holders
+
+
+class Contender:
+    """One attempt's place in a lock's queue: its node's name prefix, and the node once created.
+
+    Made on the attempt's first try and kept in ``attempt.place``; its requests go through ``session``
+    (``distlock.backends.zookeeper.session.Session``).
+    """
+
+    def __init__(self, session, parent, owner, kind):
+        self.session = session
+        self.parent = parent
+        self.owner = owner
+        self.kind = kind
+        self.prefix = f"{owner}-{kind}-"
+        self.data = holder_record(owner=owner).encode()
+        #: Full path of our node once its create answered; None before.
+        self.path = None
+        #: The node's czxid once created, its mzxid once re-stamped at the grant.
+        self.token = None
+        #: True while ``token`` was issued by the request that showed the grant (no re-stamp needed).
+        self.token_fresh = False
+        #: True after a create whose reply was lost: the node may exist, findable by ``prefix``.
+        self.uncertain = False
+        #: The session epoch before the node was created: a LOST since then took the node.
+        self.epoch = None
+        #: After a turn that did not hold: the path of the node to wait for, and the client that listed it.
+        self.blocker = None
+        self.client = None
+
+    @property
+    def node(self):
+        return self.path.rsplit("/", 1)[1]
+
+    def forget_node(self):
+        """The node went with its session (or was deleted, or given back): the next turn creates a new one."""
+        self.path = self.token = None
+        self.uncertain = False
+        self.token_fresh = False
+
+    def take_turn(self, epoch, io_deadline, *, trying):
+        """Queue (or list the queue) and return True if our node holds the lock; else set ``blocker``.
+
+        ``epoch`` is the session epoch read before this turn's first request. A try (``trying``)
+        raises ``Taken`` instead of queuing behind a node it would wait for. Raises ``NodeGone`` if
+        our node went, and kazoo's errors as they come.
+        """
+        self.token_fresh = False
+        self.blocker = None
+        client = self.client = self.session.connect(io_deadline)
+        if self.path is None:
+            children = self._enter(client, io_deadline, trying=trying)
+            self.epoch = epoch
+            if children is None:
+                return True
+        else:
+            children = self.session.children(client, self.parent, io_deadline)
+        blocker, children = self._live_blocker(client, children, io_deadline)
+        if len(children) > 1:
+            self.session.crowd(self.parent)
+        if blocker is not None:
+            self.blocker = f"{self.parent}/{blocker}"
+            return False
+        if not self.token_fresh:
+            self._restamp(client, io_deadline)
+        return True
+
+    def wait(self, remaining, io_deadline, job):
+        """Sleep until ``blocker`` goes, the connection changes state, ``job`` is cancelled, or ``remaining`` passes."""
+        client, path, wake = self.client, self.blocker, threading.Event()
+
+        def watch(event):
+            # A holder that queued re-stamps its node (set_data) at its grant: that is no release.
+            # Watches fire once, so re-arm; a node gone meanwhile (None, or an error) wakes us.
+            if event.type == EventType.CHANGED:
+                client.exists_async(path, watch=watch).rawlink(
+                    lambda reply: None if reply.successful() and reply.value is not None else wake.set())
+            else:
+                wake.set()
+
+        with self.session.waiting(wake):
+            job.wake = wake
+            try:
+                self.session.result(client.get_async(path, watch=watch), io_deadline)
+            except NoNodeError:
+                return
+            if not job.cancelled:
+                wake.wait(remaining)
+
+    def give_up(self):
+        """Withdraw from the queue (timed out, missed, or interrupted); never blocks."""
+        if self.path is not None:
+            self.session.send_leave(self.path)
+        elif self.uncertain:
+            self.session.add_leftover(self.parent, self.prefix, None)
+
+    def _enter(self, client, io_deadline, *, trying):
+        """Create our node (or find the one a lost reply created); record its path and token.
+
+        Return the children listed right behind the create, or None if the node is the first one in a
+        parent it created itself: then it holds the lock. A try raises ``Taken`` instead of queuing
+        behind a node it would wait for.
+        """
+        session = self.session
+        if self.uncertain:
+            self.uncertain = False
+            children = session.children(client, self.parent, io_deadline)
+            for child in children:
+                if child.startswith(self.prefix):
+                    stat = session.result(client.exists_async(f"{self.parent}/{child}"), io_deadline)
+                    if stat is not None:
+                        self.path, self.token = f"{self.parent}/{child}", stat.czxid
+                        return children
+        while True:
+            crowded = session.is_crowded(self.parent)
+            try:
+                if trying:
+                    return self._try_create(client, io_deadline)
+                return self._create(client, io_deadline, with_parent=not crowded)
+            except NodeExistsError:
+                session.crowd(self.parent)  # the parent exists: others queue
+            except NoNodeError:
+                if crowded:
+                    session.crowd(self.parent, False)  # a leaver deleted the parent: start over
+                else:  # no KEY_PREFIX yet (first use of this alias)
+                    with suppress(NodeExistsError):
+                        session.result(client.create_async(session.root, makepath=True), io_deadline)
+
+    def _create(self, client, io_deadline, *, with_parent):
+        """Create our node in one multi, with its parent if ``with_parent``; record its path and token.
+
+        Return the children listed right behind the multi, or None when the multi made the parent too:
+        the node is then its first child and holds the lock.
+        """
+        committed = self._send_create(client, with_parent=with_parent)
+        listing = None if with_parent else client.get_children_async(self.parent)
+        self._made(committed, io_deadline)
+        if listing is None:
+            return None
+        try:
+            return self.session.result(listing, io_deadline)
+        except NoNodeError:
+            return []
+
+    def _try_create(self, client, io_deadline):
+        """Create a try's node only where it would hold ("Tries" above); return as ``_create``.
+
+        Raise ``Taken``, with no node made, when a listing shows a node the try would wait for.
+        """
+        version = None  # the parent's data version last listed; None: make the parent with the node
+        for _ in range(TRY_ROUNDS):
+            committed = self._send_create(client, with_parent=version is None, parent_version=version)
+            # Behind the multi, even a failed one, so it shows why it failed.
+            listing = client.get_children_async(self.parent, include_data=True)
+            try:
+                self._made(committed, io_deadline)
+            except (NodeExistsError, BadVersionError, NoNodeError) as exc:
+                if version is None and isinstance(exc, NoNodeError):
+                    raise  # no KEY_PREFIX yet
+            else:
+                if version is None:
+                    return None
+                with suppress(NoNodeError):
+                    return self.session.result(listing, io_deadline)[0]
+                return []
+            try:
+                children, stat = self.session.result(listing, io_deadline)
+            except NoNodeError:
+                version = None  # the parent went since the multi: make it
+                continue
+            if self._live_ahead(client, children, io_deadline) is not None:
+                raise Taken(self.parent)
+            version = stat.version
+        return self._create(client, io_deadline, with_parent=version is None)
+
+    def _send_create(self, client, *, with_parent, parent_version=None):
+        """Send the multi that creates our node; return its async reply for ``_made``.
+
+        It makes the parent first if ``with_parent``, or first checks that the parent's data version is
+        still ``parent_version`` if given; it ends by stamping the parent (set_data): all operations of
+        a multi share one zxid, so the stamp's mzxid is our node's czxid and comes with the reply.
+        """
+        transaction = client.transaction()
+        if parent_version is not None:
+            transaction.check(self.parent, parent_version)
+        if with_parent:
+            transaction.create(self.parent)
+        transaction.create(f"{self.parent}/{self.prefix}", self.data, ephemeral=True, sequence=True)
+        transaction.set_data(self.parent, b"")
+        return transaction.commit_async()
+
+    def _made(self, committed, io_deadline):
+        """Wait for a create multi; record the node's path and token, or raise the failed operation's error."""
+        try:
+            results = self.session.result(committed, io_deadline)
+        except NoAnswer:
+            committed.rawlink(self._delete_late_node)
+            raise
+        made_node, stamped = results[-2:]
+        if not isinstance(made_node, str):
+            raise next(result for result in results if not isinstance(result, (RolledBackError, RuntimeInconsistency)))
+        self.path, self.token = made_node, stamped.mzxid
+        # The czxid is a safe token only if our node was alone at that zxid. The listing behind the
+        # multi is read later: a node queued before ours may have been granted (re-stamped above our
+        # czxid) and released in between, so "first in the listing" alone would hand us a lower token.
+        self.token_fresh = stamped.numChildren == 1
+
+    def _restamp(self, client, io_deadline):
+        """Give a holder that queued a token of its grant: the mzxid of a write to its own node."""
+        try:
+            stat = self.session.result(client.set_async(self.path, self.data), io_deadline)
+        except NoNodeError:
+            raise NodeGone(self.path) from None
+        self.token = stat.mzxid
+
+    def _delete_late_node(self, reply):
+        """kazoo callback for a create we gave up on: delete the node if it was made after all."""
+        if not reply.successful():
+            return
+        made_node = reply.value[-2]  # the multi's results: [check or create parent,] create node, set_data parent
+        if isinstance(made_node, str):
+            self.session.send_leave(made_node)
+
+    def _live_blocker(self, client, children, io_deadline):
+        """Return the child we wait for (None: we hold) and the listing without foreign nodes.
+
+        A persistent child is no contender ("Foreign children" above): it is dropped and the rules applied
+        again. Raise ``NodeGone`` as ``blocker_of``.
+        """
+        while True:
+            blocker = blocker_of(self.node, children)
+            if blocker is None or self.session.is_ephemeral(client, f"{self.parent}/{blocker}", io_deadline):
+                return blocker, children
+            children = [child for child in children if child != blocker]
+
+    def _live_ahead(self, client, children, io_deadline):
+        """Return the (ephemeral) child a try would wait for, as ``ahead_of``; None if none."""
+        while True:
+            ahead = ahead_of(self.kind, children)
+            if ahead is None or self.session.is_ephemeral(client, f"{self.parent}/{ahead}", io_deadline):
+                return ahead
+            children = [child for child in children if child != ahead]
+
+
+# -- The other requests of the protocol: release, listing, compare-and-delete -----------------------
+
+def release(session, client, path, io_deadline):
+    """Delete the held node ``path`` ("Release" above); return False if it was gone already."""
+    parent = path.rsplit("/", 1)[0]
+    if not session.is_crowded(parent):
+        transaction = client.transaction()
+        transaction.delete(path)
+        transaction.delete(parent)
+        deleted_node, deleted_parent = session.result(transaction.commit_async(), io_deadline)
+        if deleted_parent is True:
+            return True
+        if isinstance(deleted_node, NoNodeError):
+            return False  # gone already: expired, released by an operator, or its session ended
+        if not isinstance(deleted_parent, NotEmptyError):
+            raise deleted_parent if isinstance(deleted_node, RolledBackError) else deleted_node
+        session.crowd(parent)  # someone queued since we acquired
+    try:
+        session.result(session.send_leave(path, awaited=True), io_deadline)
+    except NoNodeError:
+        return False
+    return True
+
+
+def holders(session, client, prefix, io_deadline):
+    """Return (name, data, stat) of the holders of every lock whose name starts with ``prefix``.
+
+    Persistent children are no holders ("Foreign children" above).
+    """
+    names = sorted((decode_name(node), node) for node in session.children(client, session.root, io_deadline))
+    listings = [(name, f"{session.root}/{node}", client.get_children_async(f"{session.root}/{node}"))
+                for name, node in names if name.startswith(prefix)]
+    found = []
+    for name, parent, listing in listings:
+        try:
+            children = session.result(listing, io_deadline)
+        except NoNodeError:
+            continue
+        while True:
+            reads = [(child, client.get_async(f"{parent}/{child}")) for child in holders_of(children)]
+            held, foreign = [], set()
+            for child, read in reads:
+                with suppress(NoNodeError):
+                    data, stat = session.result(read, io_deadline)
+                    if stat.ephemeralOwner == 0:
+                        foreign.add(child)
+                    else:
+                        held.append((name, data, stat))
+            if not foreign:
+                break
+            children = [child for child in children if child not in foreign]
+        found.extend(held)
+    return found
+
+
+def foreign_nodes(session, client, io_deadline):
+    """Return a description (its path and why) of every child of a lock's parent that the protocol ignores."""
+    parents = [f"{session.root}/{node}" for node in sorted(session.children(client, session.root, io_deadline))]
+    listings = [(parent, client.get_children_async(parent)) for parent in parents]
+    stats = []
+    for parent, listing in listings:
+        try:
+            children = session.result(listing, io_deadline)
+        except NoNodeError:
+            continue
+        stats.extend((f"{parent}/{child}", _NODE_NAME.match(child) is not None,
+                      client.exists_async(f"{parent}/{child}")) for child in sorted(children))
+    found = []
+    for path, named, reply in stats:
+        stat = session.result(reply, io_deadline)
+        if stat is None:
+            continue  # gone meanwhile
+        problems = []
+        if not named:
+            problems.append("its name is not <owner>-<read|write>-<non-negative sequence>")
+        if stat.ephemeralOwner == 0:
+            problems.append("it is persistent, not ephemeral")
+        if problems:
+            found.append(f"{path}: {' and '.join(problems)}; the lock protocol ignores it")
+    return found
+
+
+def delete_owned(session, client, parent, owner, io_deadline):
+    """Delete ``owner``'s node under ``parent``, checked by its data and version; return True if deleted."""
+    for child in session.children(client, parent, io_deadline):
+        match = _NODE_NAME.match(child)
+        if match is None or match["owner"] != owner:
+            continue
+        path = f"{parent}/{child}"
+        try:
+            data, stat = session.result(client.get_async(path), io_deadline)
+            if read_holder_record(data)["owner"] != owner:
+                return False
+            reply = client.delete_async(path, version=stat.version)
+            client.delete_async(parent)
+            session.result(reply, io_deadline)
+        except (NoNodeError, BadVersionError):
+            return False
+        return True
+    return False

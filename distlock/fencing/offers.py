@@ -1,0 +1,67 @@
+"""What a caller offers with a fenced write: a ``Lease`` or a bare token, checked before any I/O."""
+
+from dataclasses import dataclass
+
+from distlock.exceptions import UnsafeFencingToken
+from distlock.lease import Lease
+
+__all__ = ["MAX_TOKEN", "Offer", "offer", "offer_for_save"]
+
+#: Largest token a ``BigIntegerField`` stores.
+MAX_TOKEN = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A fencing token offered with a write, and what is known of the lock that issued it."""
+
+    token: int
+    #: The lock's name and alias, known when a ``Lease`` was given rather than a bare int.
+    lock_name: str | None = None
+    alias: str | None = None
+
+
+def offer_for_save(model, lease, fencing_token):
+    """Return the ``Offer`` of ``save(lease=...)`` or ``save(fencing_token=...)``; None when neither is given."""
+    if lease is not None and fencing_token is not None:
+        raise TypeError("save() takes lease= or fencing_token=, not both: the lease's token is the fencing token.")
+    if lease is not None:
+        if not isinstance(lease, Lease):
+            raise TypeError(
+                f"lease must be a distlock Lease, got {type(lease).__name__}; pass a bare token as fencing_token=."
+            )
+        return _lease_offer(model, lease)
+    if fencing_token is not None:
+        return _token_offer(fencing_token, "fencing_token", "an int fencing token (lease.token)")
+    return None
+
+
+def offer(model, lease_or_token, argument):
+    """Return the ``Offer`` of ``lease_or_token``, a ``Lease`` or an int token (``claim``, ``fenced_update``)."""
+    if isinstance(lease_or_token, Lease):
+        return _lease_offer(model, lease_or_token)
+    return _token_offer(lease_or_token, argument, "a distlock Lease or an int fencing token")
+
+
+def _lease_offer(model, lease):
+    """Return the ``Offer`` of ``lease``, checked before any I/O.
+
+    A lease known lost or expired raises ``LockLost``; a lease from a backend whose tokens may go
+    backwards (Redlock) raises ``UnsafeFencingToken`` unless ``model.allow_unsafe_tokens``.
+    """
+    if not lease.token_is_safe and not model.allow_unsafe_tokens:
+        raise UnsafeFencingToken(
+            f"{model._meta.label} refuses the lease on {lease.name!r}: alias '{lease.alias}' "
+            f"({type(lease.backend).__name__}) cannot promise that its tokens never go backwards. Use a "
+            f"backend with safe tokens, or set allow_unsafe_tokens = True on {model.__name__} to accept the risk."
+        )
+    lease.check()
+    return Offer(token=lease.token, lock_name=lease.name, alias=lease.alias)
+
+
+def _token_offer(token, argument, expected):
+    if isinstance(token, bool) or not isinstance(token, int):
+        raise TypeError(f"{argument} must be {expected}, got {type(token).__name__}.")
+    if not 0 < token <= MAX_TOKEN:
+        raise ValueError(f"{argument} must be a fencing token between 1 and 2**63 - 1, got {token}.")
+    return Offer(token=token)
