@@ -37,11 +37,11 @@ def sqlite_memory(alias):
     None for a database file, and for every other vendor. Imports the ENGINE, does no I/O.
     """
     entry = settings.DATABASES[alias]
+    name = str(entry.get("NAME", ""))
+    if name not in ("", ":memory:") and "mode=memory" not in name:
+        return None  # a file (the usual case, on every lock call: decided before the ENGINE is imported)
     if load_backend(entry.get("ENGINE") or "django.db.backends.dummy").DatabaseWrapper.vendor != "sqlite":
         return None
-    name = str(entry.get("NAME", ""))
-    if name in ("", ":memory:") or ("mode=memory" in name and "cache=shared" not in name):
+    if name in ("", ":memory:") or "cache=shared" not in name:
         return PRIVATE_MEMORY
-    if "mode=memory" in name:
-        return SHARED_MEMORY
-    return None
+    return SHARED_MEMORY

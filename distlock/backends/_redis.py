@@ -99,8 +99,11 @@ def pack(command):
     return b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(part), part) for part in parts)
 
 
-def exchange(connection, commands, timeout):
+def exchange(connection, commands, timeout, packed=None):
     """Send ``commands`` on ``connection`` in one write; return their replies, error replies in their place.
+
+    ``packed`` is each command already ``pack``ed, when the caller sends one command to several
+    servers (Redlock packs once per round, not once per master).
 
     ``timeout`` bounds the wait for each reply (None: none but the socket's). A script the server
     forgot (a restart, ``SCRIPT FLUSH``) is sent again as source (``EVAL``, which caches it). A
@@ -115,12 +118,12 @@ def exchange(connection, commands, timeout):
     was_connected = connection._sock is not None  # redis-py 8's ``is_connected``, in every release line
     replies = []
     try:
-        _send_and_read(connection, commands, timeout, replies)
+        _send_and_read(connection, commands, timeout, replies, packed)
     except redis.ConnectionError:
         if not was_connected or replies:
             raise
         connection.disconnect()
-        _send_and_read(connection, commands, timeout, replies)
+        _send_and_read(connection, commands, timeout, replies, packed)
     forgotten = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
     if forgotten:
         sources = []
@@ -135,9 +138,9 @@ def _with_source(command):
     return ("EVAL", Script.by_sha[command[1]].source, *command[2:])
 
 
-def _send_and_read(connection, commands, timeout, replies):
+def _send_and_read(connection, commands, timeout, replies, packed=None):
     """Send ``commands`` in one write and append one reply per command to ``replies`` as it is read."""
-    connection.send_packed_command((b"".join(map(pack, commands)),))
+    connection.send_packed_command((b"".join(packed or map(pack, commands)),))
     for _ in commands:
         replies.append(_read_reply(connection, timeout))
 

@@ -105,6 +105,8 @@ class Job:
     """One command for one master: sent unless ``deadline`` passed first (except releases), replied to ``round``."""
 
     command: tuple
+    #: ``command`` as ``_redis.pack`` encodes it: once per round, shared by the masters' jobs.
+    packed: bytes
     deadline: float
     must_send: bool
     round: Round
@@ -195,7 +197,7 @@ class Master:
     def _exchange(self, connection, jobs):
         """Send every job's command at once, then hand each job its reply (or the failure)."""
         try:
-            replies = exchange(connection, [job.command for job in jobs], self.timeout)
+            replies = exchange(connection, [job.command for job in jobs], self.timeout, [job.packed for job in jobs])
         except CLIENT_ERRORS as exc:
             self.connected = False
             connection.disconnect()  # an unread reply must never answer the next command

@@ -30,7 +30,6 @@ import logging
 import random
 import time
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -184,6 +183,24 @@ class LockInfo:
     task_id: str = ""
 
 
+class _TranslatedErrors:
+    """The block of ``BaseLockBackend.translate_errors``."""
+
+    __slots__ = ("_backend", "_operation")
+
+    def __init__(self, backend, operation):
+        self._backend, self._operation = backend, operation
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, traceback):
+        backend = self._backend
+        if exc is None or isinstance(exc, BackendUnavailable) or not isinstance(exc, backend.client_errors):
+            return False
+        raise backend.unavailable(self._operation, backend._cause(exc)) from exc
+
+
 class BaseLockBackend:
     """A lock server behind one ``DISTLOCK`` alias.
 
@@ -327,18 +344,13 @@ class BaseLockBackend:
 
     # -- errors: one idiom, one wording -----------------------------------------------------------
 
-    @contextmanager
     def translate_errors(self, operation):
-        """Turn the client's failures inside the block into ``BackendUnavailable`` (see ``unavailable``).
+        """Return a context manager that turns the client's failures inside it into ``BackendUnavailable``.
 
-        ``operation`` says what the call was doing, as a verb phrase: "acquire lock 'orders'".
+        ``operation`` says what the call was doing, as a verb phrase: "acquire lock 'orders'" (see
+        ``unavailable``). A class rather than a generator: it wraps every request of every backend.
         """
-        try:
-            yield
-        except BackendUnavailable:
-            raise
-        except self.client_errors as exc:
-            raise self.unavailable(operation, self._cause(exc)) from exc
+        return _TranslatedErrors(self, operation)
 
     def unavailable(self, operation, cause):
         """Return the ``BackendUnavailable`` every backend raises: alias, server, operation and cause.

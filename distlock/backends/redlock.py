@@ -249,11 +249,12 @@ class RedlockBackend(BaseLockBackend):
         # Never cut to the caller's deadline: a round cut short leaves grants to undo on every
         # master, which takes longer than letting the round finish.
         deadline = request_deadline(patience, minimum=_redis.MIN_REQUEST_SECONDS)
+        packed = _redis.pack(command)
         for index, master in enumerate(masters):
             if skipped[index]:
                 round_.deliver(index, MasterSkipped(f"failed less than {SKIP_FAILED_MASTER:g}s ago"))
             else:
-                master.submit(Job(command, deadline, must_send, round_, index))
+                master.submit(Job(command, packed, deadline, must_send, round_, index))
         replies = round_.wait(patience - (self.clock() - started))
         for master, reply, was_skipped in zip(masters, replies, skipped):
             failed = isinstance(reply, self.client_errors) and not isinstance(reply, ResponseError)
