@@ -54,11 +54,12 @@ def acquire(name, ttl=None, timeout=None, blocking=True, using=DEFAULT_ALIAS, au
 
     started = time.monotonic()
     try:
-        how = dict(ttl=ttl, timeout=timeout, blocking=blocking, auto_renew=auto_renew, max_hold=max_hold)
         if mode is None:
-            lease = backend.acquire(name, **how)
+            lease = backend.acquire(name, ttl=ttl, timeout=timeout, blocking=blocking, auto_renew=auto_renew,
+                                    max_hold=max_hold)
         else:
-            lease = backend.acquire_shared(name, mode, **how)
+            lease = backend.acquire_shared(name, mode, ttl=ttl, timeout=timeout, blocking=blocking,
+                                           auto_renew=auto_renew, max_hold=max_hold)
     except LockNotAcquired:
         metrics.record_acquire(using, name, ttl, time.monotonic() - started, "timeout" if blocking else "busy")
         raise

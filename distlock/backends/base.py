@@ -60,6 +60,7 @@ __all__ = [
     "READ_WRITE",
     "SAFE_FENCING_TOKENS",
     "SUPPORTED_BY",
+    "operation_words",
     "refuse_after_late_grants",
 ]
 
@@ -181,6 +182,11 @@ class LockInfo:
     host: str = ""
     pid: int | None = None
     task_id: str = ""
+
+
+def operation_words(operation):
+    """Return ``operation`` as words: a str as it is; a (verb phrase, lock name) pair as "verb phrase 'name'"."""
+    return operation if isinstance(operation, str) else f"{operation[0]} {operation[1]!r}"
 
 
 class _TranslatedErrors:
@@ -347,8 +353,9 @@ class BaseLockBackend:
     def translate_errors(self, operation):
         """Return a context manager that turns the client's failures inside it into ``BackendUnavailable``.
 
-        ``operation`` says what the call was doing, as a verb phrase: "acquire lock 'orders'" (see
-        ``unavailable``). A class rather than a generator: it wraps every request of every backend.
+        ``operation`` says what the call was doing, as a verb phrase: "acquire lock 'orders'", or as a
+        (verb phrase, lock name) pair, worded only if the call fails (see ``operation_words``). A class
+        rather than a generator: it wraps every request of every backend.
         """
         return _TranslatedErrors(self, operation)
 
@@ -358,7 +365,8 @@ class BaseLockBackend:
         "Lock alias 'default' (Redis) could not acquire lock 'orders': Connection refused." The message is
         redacted by ``BackendUnavailable`` itself.
         """
-        return BackendUnavailable(f"Lock alias '{self.alias}' ({self.label}) could not {operation}: {cause}.")
+        return BackendUnavailable(
+            f"Lock alias '{self.alias}' ({self.label}) could not {operation_words(operation)}: {cause}.")
 
     def _cause(self, exc):
         """Return the words for a client exception in ``unavailable``; backends add hints (TLS, ACLs)."""

@@ -37,7 +37,7 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
 from distlock.backends import _redis
-from distlock.backends.base import NOTIFICATIONS, SAFE_FENCING_TOKENS, BaseLockBackend, Grant
+from distlock.backends.base import NOTIFICATIONS, SAFE_FENCING_TOKENS, BaseLockBackend, Grant, operation_words
 from distlock.backends.deadlines import request_seconds
 from distlock.backends.options import Option, positive_number
 from distlock.backends.redis_servers import redis_server, unsecured, url_problem
@@ -354,8 +354,8 @@ class RedisBackend(BaseLockBackend):
         if _redis.refusal_code(error) is not None:
             raise error
         raise RuntimeError(
-            f"Redis refused distlock's request to {operation} on alias '{self.alias}': {redact(error)}; is "
-            f"another program writing keys under KEY_PREFIX '{self._prefix}'?"
+            f"Redis refused distlock's request to {operation_words(operation)} on alias '{self.alias}': "
+            f"{redact(error)}; is another program writing keys under KEY_PREFIX '{self._prefix}'?"
         ) from error
 
     def _execute(self, command, *, operation, timeout):
@@ -391,7 +391,7 @@ class RedisBackend(BaseLockBackend):
         reply = self._run(ACQUIRE, (lock, self._token_key, queue, alive, wake),
                           (attempt.owner, math.ceil(attempt.ttl * 1000), holder_record(),
                            "1" if attempt.blocking else "0", _WAITER_TTL_MS),
-                          operation=f"acquire lock {attempt.name!r}",
+                          operation=("acquire lock", attempt.name),
                           deadline=attempt.deadline if attempt.blocking else None)
         if reply[0] != 1:
             attempt.retry_after = reply[1] / 1000
@@ -433,13 +433,13 @@ class RedisBackend(BaseLockBackend):
     def release_owned(self, name, owner):
         lock, queue, alive, wake = self._keys(name)
         return self._run(RELEASE, (lock, queue, alive, wake), (owner, _WAITER_TTL_MS),
-                         operation=f"release lock {name!r}") == 1
+                         operation=("release lock", name)) == 1
 
     def _do_extend(self, lease, ttl):
         # An extension that cannot answer before the lease runs out is worth nothing: bound it so
         # renewal reports a frozen server while the lease is still valid.
         return self._run(EXTEND, (self._keys(lease.name)[0],), (lease.owner, math.ceil(ttl * 1000)),
-                         operation=f"extend lock {lease.name!r}", deadline=time.monotonic() + lease.remaining()) == 1
+                         operation=("extend lock", lease.name), deadline=time.monotonic() + lease.remaining()) == 1
 
     # -- operating -----------------------------------------------------------------------------
 
