@@ -78,7 +78,7 @@ class ConnectionPool:
                 raise unavailable(time.monotonic() - started)
             return turn.mailbox.get_nowait()  # handed over just as the wait ran out
         except BaseException:
-            self._abandon(turn)
+            self._give_up_turn(turn)
             raise
 
     def _withdraw(self, turn):
@@ -90,7 +90,7 @@ class ConnectionPool:
                 self._queue.remove(turn)
             return True
 
-    def _abandon(self, turn):
+    def _give_up_turn(self, turn):
         """Withdraw the turn of a call that raised; a connection handed to it meanwhile goes back."""
         if not self._withdraw(turn):
             with suppress(queue.Empty):  # empty if the call had taken it before it raised

@@ -1,4 +1,4 @@
-"""The base class every lock backend implements: the one acquire loop, the hooks, and the option schema.
+"""The base class every lock backend implements: the one acquire loop, its hooks, errors and capabilities.
 
 Glossary (one word for one thing, in the code, the options and the docs):
 
@@ -7,6 +7,7 @@ Glossary (one word for one thing, in the code, the options and the docs):
   extension acts (compare-and-delete, ``release_owned``).
 - **attempt**: one ``acquire()`` call (``Attempt``), from its first request to its lease or its failure.
 - **try**: one ``_try_acquire`` of an attempt: a request that grants the lock or says why not.
+  ``attempt.tries`` counts them; the lease shows the count as ``lease.attempts`` (its public name).
 - **wait**: what an attempt does between two tries (``_wait_for_release``): back off, or wait for a
   notification from the server.
 - **grant**: what a successful try reports (``Grant``); the base class turns it into a ``Lease``.
@@ -223,7 +224,7 @@ class BaseLockBackend:
     - ``_hold``, ``_give_back_grant``, ``_give_up``: register a grant, give one back, leave a queue;
     - ``_do_release(lease)``: release through what the grant handed back (a znode path) rather than
       by name and owner;
-    - ``_call(fn, abandon=...)``: run calls where an interrupt cannot break the client (``offload``).
+    - ``_call(fn, give_back=...)``: run calls where an interrupt cannot break the client (``offload``).
 
     Argument checks, signals, renewal and metrics live above the backends, in ``distlock.api`` and
     ``distlock.lease``. docs/ARCHITECTURE.md walks through a whole call.
@@ -405,7 +406,7 @@ class BaseLockBackend:
         attempt = Attempt(name=name, owner=new_owner(), ttl=ttl, blocking=blocking, timeout=timeout, mode=mode,
                           deadline=None if timeout is None else time.monotonic() + timeout,
                           auto_renew=auto_renew, max_hold=max_hold)
-        return self._call(functools.partial(self._acquire_loop, attempt), abandon=self._give_back)
+        return self._call(functools.partial(self._acquire_loop, attempt), give_back=self._give_back)
 
     def _acquire_loop(self, attempt, job):
         """The one acquire loop: try, wait, try again until granted, refused or out of time.
@@ -477,10 +478,10 @@ class BaseLockBackend:
 
     # The hooks of the acquire loop.
 
-    def _call(self, fn, *, abandon=None):
+    def _call(self, fn, *, give_back=None):
         """Return ``fn(job)``. Backends whose client an interrupt can break run it elsewhere (``offload``).
 
-        ``abandon(value)`` gives back what ``fn`` returned if the caller was interrupted and left.
+        ``give_back(value)`` gives back what ``fn`` returned if the caller was interrupted and left.
         """
         return fn(INLINE)
 

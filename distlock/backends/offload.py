@@ -11,7 +11,7 @@ thread (``ThreadRunner``) through a C ``SimpleQueue`` (a ``put`` that never bloc
 Python-level lock), and the caller waits on a plain lock, whose acquisition an exception can
 interrupt without leaving anything taken. An interrupted caller hands a clean-up to the runner: it
 cancels the operation (``Job.cancelled``, ``Job.wake``: a backend's waits may watch them) and, once
-the operation ends, gives back whatever it was granted (``abandon``). Calls from other threads run
+the operation ends, gives back whatever it was granted (``give_back``). Calls from other threads run
 inline (no signal reaches them). Under gevent or eventlet every operation runs in a green thread of
 its own (``GreenRunner``): a ``Timeout`` raised in the caller's green thread (a task's hard time
 limit) is handled the same way. (Deferring signals with ``pthread_sigmask`` was the alternative; it
@@ -202,10 +202,10 @@ class Offloader:
         self._green = green
         self._runner = None
 
-    def call(self, fn, *, abandon=None):
+    def call(self, fn, *, give_back=None):
         """Return ``fn(job)``, run where no exception raised asynchronously in the caller can cut it short.
 
-        ``abandon(value)`` gives back what ``fn`` returned if the caller is interrupted and cannot take it.
+        ``give_back(value)`` gives back what ``fn`` returned if the caller is interrupted and cannot take it.
         """
         if self._green is None and (threading.current_thread() is not threading.main_thread()
                                     or not signals_can_raise()):
@@ -223,20 +223,20 @@ class Offloader:
             if job.error is None:
                 return job.value
         except BaseException:
-            runner.submit(Job(partial(self._after_abandoned, job, abandon)))
+            runner.submit(Job(partial(self._after_abandoned, job, give_back)))
             raise
         error, job.error = job.error, None
         raise error
 
-    def _after_abandoned(self, job, abandon, _cleanup_job):
+    def _after_abandoned(self, job, give_back, _cleanup_job):
         """Runner: stop an operation whose caller was interrupted, then give back what it was granted."""
         job.cancel()
         if not job.dispatched:
             return  # never started
         job.finished.wait()
-        if job.error is None and job.value is not None and abandon is not None:
+        if job.error is None and job.value is not None and give_back is not None:
             try:
-                abandon(job.value)
+                give_back(job.value)
             except BaseException:  # noqa: BLE001 - on a runner thread, nobody else would see it
                 logger.exception("Giving back what an interrupted call on alias %r was granted failed.", self.alias)
 

@@ -383,8 +383,15 @@ class RedisBackend(BaseLockBackend):
         Only on a timeout: after any other exception (the server failed, the caller was interrupted)
         one more request would stretch the caller's wait, and the entry expires within ``WAITER_TTL``.
         """
-        if isinstance(reason, LockNotAcquired) and attempt.blocking and attempt.tries:
-            self._leave_queue(attempt.name, attempt.owner)
+        if not (isinstance(reason, LockNotAcquired) and attempt.blocking and attempt.tries):
+            return
+        lock, queue, alive, wake = self._keys(attempt.name)
+        try:
+            self._run(LEAVE, (lock, queue, alive, wake), (attempt.owner, _WAITER_TTL_MS),
+                      operation=f"leave the queue of lock {attempt.name!r}")
+        except BackendUnavailable as exc:
+            # The caller's answer is still "not acquired"; the entry expires on its own within WAITER_TTL.
+            logger.warning("%s Its queue entry expires within %gs.", exc, WAITER_TTL)
 
     def _try_acquire(self, attempt):
         lock, queue, alive, wake = self._keys(attempt.name)
@@ -418,15 +425,6 @@ class RedisBackend(BaseLockBackend):
         timeout = self._request_seconds(None if remaining is None else time.monotonic() + remaining)
         self._execute(("BLPOP", wake_key, f"{pause:.3f}"), operation=f"wait for lock {attempt.name!r}",
                       timeout=None if timeout is None else pause + timeout)
-
-    def _leave_queue(self, name, owner):
-        lock, queue, alive, wake = self._keys(name)
-        try:
-            self._run(LEAVE, (lock, queue, alive, wake), (owner, _WAITER_TTL_MS),
-                      operation=f"leave the queue of lock {name!r}")
-        except BackendUnavailable as exc:
-            # The caller's answer is still "not acquired"; the entry expires on its own within WAITER_TTL.
-            logger.warning("%s Its queue entry expires within %gs.", exc, WAITER_TTL)
 
     # -- holding -------------------------------------------------------------------------------
 

@@ -130,8 +130,8 @@ class EtcdBackend(BaseLockBackend):
         now = datetime.now(timezone.utc)
         return holder_record(owner=owner, created_at=now.isoformat()).encode(), now
 
-    def _call(self, fn, *, abandon=None):
-        return self._offload.call(fn, abandon=abandon)
+    def _call(self, fn, *, give_back=None):
+        return self._offload.call(fn, give_back=give_back)
 
     # -- the acquire loop's hooks ----------------------------------------------------------------
 

@@ -105,9 +105,9 @@ class ZooKeeperBackend(BaseLockBackend):
 
     # -- the acquire loop's hooks ----------------------------------------------------------------
 
-    def _call(self, fn, *, abandon=None):
+    def _call(self, fn, *, give_back=None):
         """Return ``fn(job)``, run where no exception raised asynchronously in the caller can cut it short."""
-        return self._offload.call(fn, abandon=abandon)
+        return self._offload.call(fn, give_back=give_back)
 
     def _try_acquire(self, attempt):
         """Take one turn in the queue: a ``Grant`` if our node holds, else None (``attempt.place`` knows the blocker).
