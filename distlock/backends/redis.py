@@ -339,6 +339,8 @@ class RedisBackend(BaseLockBackend):
     def _request_seconds(self, deadline=None):
         """Seconds one request may take: the pool's socket timeout (``REQUEST_TIMEOUT``), cut to ``deadline``."""
         timeout = self._get_connections().socket_timeout
+        if deadline is None:
+            return timeout
         return request_seconds(timeout, deadline, minimum=_redis.MIN_REQUEST_SECONDS)
 
     def _cause(self, exc):
