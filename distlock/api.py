@@ -5,7 +5,6 @@ import logging
 import time
 
 from distlock import metrics
-from distlock.backends.base import READ_WRITE
 from distlock.conf import DEFAULT_ALIAS
 from distlock.exceptions import BackendUnavailable, LockNotAcquired
 from distlock.handler import locks
@@ -39,8 +38,6 @@ def acquire(name, ttl=None, timeout=None, blocking=True, using=DEFAULT_ALIAS, au
     validate_flag("blocking", blocking)
     validate_flag("auto_renew", auto_renew, allow_none=True)
     backend = locks[using]
-    if mode is not None:
-        backend.require(READ_WRITE, "read/write locks (read_lock(), write_lock())")
     settings = backend.settings
     ttl = settings["DEFAULT_TTL"] if ttl is None else ttl
     auto_renew = settings["AUTO_RENEW"] if auto_renew is None else auto_renew

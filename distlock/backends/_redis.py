@@ -127,11 +127,10 @@ def exchange(connection, commands, timeout, packed=None):
     if NoScriptError not in map(type, replies):
         return replies  # the usual case, decided in C
     forgotten = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-    if forgotten:
-        sources = []
-        _send_and_read(connection, [_with_source(commands[index]) for index in forgotten], timeout, sources)
-        for index, reply in zip(forgotten, sources):
-            replies[index] = reply
+    sources = []
+    _send_and_read(connection, [_with_source(commands[index]) for index in forgotten], timeout, sources)
+    for index, reply in zip(forgotten, sources):
+        replies[index] = reply
     return replies
 
 

@@ -12,7 +12,7 @@ deletion: moving or cancelling one only updates a dict, and stale heap entries a
 they surface and compacted once they outnumber the live ones.
 
 Callers schedule from threads that an exception can interrupt between any two lines (a time limit, a
-``gevent.Timeout``), so the timer waits on a queue (``distlock.waiting.mailbox``), never on a
+``gevent.Timeout``), so the timer waits on a queue (``distlock.backends.green.mailbox``), never on a
 ``Condition``, and restarts its thread if an interrupt left it for dead. After a fork the child
 forgets the parent's timers (their thread is not there) and ends their greenlets.
 """

@@ -261,10 +261,12 @@ class Contender:
             job.wake = wake
             try:
                 self.session.result(client.get_async(path, watch=watch), io_deadline)
+                if not job.cancelled:
+                    wake.wait(remaining)
             except NoNodeError:
                 return
-            if not job.cancelled:
-                wake.wait(remaining)
+            finally:
+                job.wake = None
 
     def give_up(self):
         """Withdraw from the queue (timed out, missed, or interrupted); never blocks."""
