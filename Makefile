@@ -1,7 +1,7 @@
 # The two set-up commands of the README: `make demo` and `make test`.
 PYTHON := .venv/bin/python
 
-.PHONY: demo test bench matrix redis-py-lines bootstrap-demo bootstrap-test
+.PHONY: demo test bench matrix soak redis-py-lines bootstrap-demo bootstrap-test
 
 demo: bootstrap-demo
 	$(PYTHON) manage.py migrate --noinput -v 0
@@ -27,3 +27,10 @@ bootstrap-demo:
 
 bootstrap-test:
 	scripts/bootstrap test
+
+# Long randomized runs under a random nemesis on every backend (not part of `make test`):
+# make soak MINUTES=120 [SEED=7] [BACKENDS=zookeeper,etcd] [SOAK_ARGS='--replay 12']
+MINUTES ?= 10
+soak: bootstrap-test
+	$(PYTHON) -m tests.servers --servers postgres -- $(PYTHON) -m tests.faults.soak --minutes $(MINUTES) \
+		$(if $(SEED),--seed $(SEED)) $(if $(BACKENDS),--backends $(BACKENDS)) --report soak-report.md $(SOAK_ARGS)

@@ -11,6 +11,7 @@ from distlock.exceptions import (
     LockWouldDeadlock,
     NotSupported,
     StaleFencingToken,
+    TokenRegression,
     UnsafeFencingToken,
 )
 from distlock.handler import locks
@@ -29,6 +30,7 @@ __all__ = [
     "LockWouldDeadlock",
     "NotSupported",
     "StaleFencingToken",
+    "TokenRegression",
     "UnsafeFencingToken",
     "acquire",
     "lock",

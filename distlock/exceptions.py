@@ -14,6 +14,7 @@ __all__ = [
     "LockWouldDeadlock",
     "NotSupported",
     "StaleFencingToken",
+    "TokenRegression",
     "UnsafeFencingToken",
 ]
 
@@ -47,6 +48,16 @@ class BackendUnavailable(LockError):
 
     def __init__(self, message=""):
         super().__init__(redact(message))
+
+
+class TokenRegression(BackendUnavailable):
+    """The alias's server issued a token (or showed a revision) below one it had shown this process.
+
+    It went back: restored from a backup or snapshot, its data wiped, or its counter lost while its
+    clock stood behind. Its tokens may repeat tokens already used, so the process refuses every
+    grant on the alias and every fenced write with one of its leases until it restarts; raise the
+    alias's ``TOKEN_EPOCH`` by one first (see ``distlock.backends.token_order``).
+    """
 
 
 class NotSupported(LockError, NotImplementedError):

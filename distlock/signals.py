@@ -4,7 +4,8 @@ import logging
 
 from django.dispatch import Signal
 
-__all__ = ["fencing_token_rejected", "lock_acquired", "lock_lost", "lock_released", "send_robustly", "task_skipped"]
+__all__ = ["fencing_token_rejected", "lock_acquired", "lock_lost", "lock_released", "send_robustly", "task_skipped",
+           "token_regression"]
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +22,10 @@ lock_lost = Signal()
 #: Sent when a fenced write or claim is refused. Arguments: ``model``, ``pk``, ``offered_token``,
 #: ``current_token``, ``lock_name``.
 fencing_token_rejected = Signal()
+
+#: Sent once per alias and process when its server went back: a grant's token, or a reply's revision, below
+#: one it showed this process before (``distlock.backends.token_order``). Arguments: ``alias``, ``reason``.
+token_regression = Signal()
 
 #: Sent when ``@single_instance_task`` skips a run because its key is held. Arguments: ``task``, ``key``, ``task_id``.
 task_skipped = Signal()

@@ -19,11 +19,11 @@ from tests.workers import ROOT, child_env, emit, run
 class Worker:
     """One scenario process, its events read by a thread so that the parent can wait for one with a timeout."""
 
-    def __init__(self, scenario, **arguments):
+    def __init__(self, scenario, env=None, **arguments):
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tests.fencing_workers", scenario, json.dumps(arguments)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=child_env(), cwd=ROOT,
+            env=child_env(**(env or {})), cwd=ROOT,
         )
         self.events = []
         self._queue = queue.Queue()

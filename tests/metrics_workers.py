@@ -39,10 +39,11 @@ def acquisitions(alias, prefix, count, misses, hold_ms=0):
 
 
 def contend(alias, name, count, hold_ms, start_at, ttl=10):
-    """From wall-clock time ``start_at`` (so every child starts together), hold ``name`` ``count`` times."""
+    """From ``start_at`` (``time.monotonic()``: one clock for every process on Linux, which no clock step
+    moves), so that every child starts together, hold ``name`` ``count`` times."""
     import distlock  # noqa: PLC0415
 
-    time.sleep(max(0.0, start_at - time.time()))
+    time.sleep(max(0.0, start_at - time.monotonic()))
     for _ in range(count):
         with distlock.lock(name, ttl=ttl, timeout=60, using=alias):
             time.sleep(hold_ms / 1000)

@@ -85,8 +85,19 @@ if os.environ.get("DISTLOCK_TEST_ETCD_ENDPOINTS"):
                         "OPTIONS": {"ENDPOINTS": os.environ["DISTLOCK_TEST_ETCD_ENDPOINTS"],
                                     "KEY_PREFIX": f"/distlock-test-{RUN_ID}/"}}
 
+# Children whose paused or killed holders must be freed sooner than a 10 s session (tests/test_fencing.py,
+# tests/backends/test_contract.py): ZooKeeper's session timeout and etcd's session lease, in whole seconds.
+if os.environ.get("DISTLOCK_TEST_SESSION_TIMEOUT"):
+    for _alias, _option in (("zookeeper", "SESSION_TIMEOUT"), ("etcd", "LEASE_TTL")):
+        if _alias in DISTLOCK:
+            DISTLOCK[_alias]["OPTIONS"][_option] = int(os.environ["DISTLOCK_TEST_SESSION_TIMEOUT"])
+
 # The tasks and run records of tests/test_celery.py; workers find them through autodiscovery.
 INSTALLED_APPS = [*INSTALLED_APPS, "tests.celery_app"]  # noqa: F405
 CELERY_TASK_DEFAULT_QUEUE = f"distlock-test-{RUN_ID}"
 
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+# A child that must flush its metrics sooner than the default 10 s (tests/test_metrics.py's live process).
+if os.environ.get("DISTLOCK_TEST_METRICS_FLUSH_INTERVAL"):
+    DISTLOCK_METRICS = {"FLUSH_INTERVAL": float(os.environ["DISTLOCK_TEST_METRICS_FLUSH_INTERVAL"])}

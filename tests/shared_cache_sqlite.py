@@ -1,9 +1,11 @@
-"""Auto-renewed leases on Django's in-memory SQLite test database: ``python -m tests.shared_cache_sqlite SECONDS``.
+"""Auto-renewed leases on Django's in-memory SQLite test database:
+``python -m tests.shared_cache_sqlite SECONDS [FLUSH_INTERVAL]``.
 
 Without a test ``NAME``, Django's SQLite test database is ``file:memorydb_default?mode=memory&cache=shared``:
 every connection of the process shares one cache, whose table locks do not wait in ``busy_timeout``.
 Three leases with ttl 1 s and ``auto_renew`` are held for SECONDS while 4 threads take and give back
-other locks and one thread writes rows through the ORM, as a test would; then a lock is taken inside
+other locks and one thread writes rows through the ORM, as a test would, while the metrics are flushed
+every FLUSH_INTERVAL seconds (default: the setting's default); then a lock is taken inside
 ``transaction.atomic()``, as in a ``TestCase``. Prints one JSON line: leases lost (``lock_lost``),
 errors of the lock calls and of the ORM writes, turns and rows written.
 """
@@ -22,6 +24,7 @@ settings.configure(
     DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3",
                            "NAME": "file:memorydb_default?mode=memory&cache=shared"}},
     USE_TZ=True,
+    **({"DISTLOCK_METRICS": {"FLUSH_INTERVAL": float(sys.argv[2])}} if len(sys.argv) > 2 else {}),
 )
 
 

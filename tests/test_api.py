@@ -16,6 +16,7 @@ from distlock import holder
 from distlock.handler import LockHandler, locks
 from distlock.renewal import Renewer
 from distlock.validation import validate_name
+from tests.servers import wait_until
 from tests.workers import ROOT
 
 ALIAS = "locmem"
@@ -162,7 +163,8 @@ def test_renewer_releases_and_marks_lost_at_max_hold():
     assert renewer._next_wait() <= 0.5
     lease._renewer = renewer
     renewer.start()
-    time.sleep(0.8)
+    # The lease's own validity runs out at 0.9 s whether or not the thread acted: wait for its mark.
+    wait_until(lambda: lease.lost_reason is not None, 10, "the renewal thread stopping at max_hold")
     assert lease.lost
     with pytest.raises(distlock.LockLost, match="max_hold"):
         lease.check()

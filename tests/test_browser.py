@@ -62,18 +62,20 @@ def test_force_release_from_the_admin_in_a_real_browser(browser, live_server):
     User.objects.create_superuser("ops", "ops@example.com", "correct horse battery")
     # Traffic from other processes contending for one lock, so the metrics have figures to show: with a
     # 2 s TTL, waiting for the other processes' 25 turns takes more than half of it (an alert).
-    start_at = time.time() + 3  # after the children's start-up, so they overlap
-    for child in [spawn_metrics_worker("contend", alias=ALIAS, name="invoice:42", count=25, hold_ms=40,
-                                       start_at=start_at, ttl=2) for _ in range(3)]:
-        read_events(child)
+    start_at = time.monotonic() + 3  # after the children's start-up, so they overlap
+    contenders = [spawn_metrics_worker("contend", alias=ALIAS, name="invoice:42", count=25, hold_ms=40,
+                                       start_at=start_at, ttl=2) for _ in range(3)]
     holder = spawn("hold", alias=ALIAS, name=lock_name, ttl=300)
     try:
-        held = json.loads(holder.stdout.readline())
-
+        # The browser logs in while the other processes start and contend.
         browser.get(f"{live_server.url}/admin/login/?next=/admin/")
         browser.find_element(By.NAME, "username").send_keys("ops")
         browser.find_element(By.NAME, "password").send_keys("correct horse battery")
         browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
+        browser.find_element(By.LINK_TEXT, "Held locks")
+        for child in contenders:
+            read_events(child)  # done, and their counts flushed at exit: the page shows them
+        held = json.loads(holder.stdout.readline())
         browser.find_element(By.LINK_TEXT, "Held locks").click()
 
         row = browser.find_element(By.CSS_SELECTOR, f'tr.distlock-lock[data-alias="{ALIAS}"][data-name="{lock_name}"]')
@@ -88,11 +90,17 @@ def test_force_release_from_the_admin_in_a_real_browser(browser, live_server):
 
         message = browser.find_element(By.CSS_SELECTOR, "ul.messagelist li.success").text
         assert f"Released lock '{lock_name}'" in message
+        # The page after the release is loaded (its message is there): look at it as it is, rather than wait
+        # out the implicit wait for a row that must not come.
+        browser.implicitly_wait(0)
         assert not browser.find_elements(By.CSS_SELECTOR, f'tr.distlock-lock[data-name="{lock_name}"]')
+        browser.implicitly_wait(10)
         screenshot(browser, "held-locks-after-release")
         assert lock_name not in {info.name for info in locks[ALIAS].held_locks()}
         assert holder.poll() is None, "the holder process is still running; it learns at its next renewal"
     finally:
-        holder.kill()
-        holder.communicate()
+        for child in [*contenders, holder]:
+            if child.poll() is None:
+                child.kill()
+            child.communicate()
 

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import uuid
+from contextlib import suppress
 from itertools import combinations
 
 import pytest
@@ -119,8 +120,10 @@ checks = []
 @single_instance_task(name="test_celery.losing", key="losing", using="locmem", ttl=0.3)
 def losing(lease=None):
     # Another party deletes our lock: the renewal (every 0.1 s) finds it gone and marks the lease lost.
+    # Wait for that mark: the 0.3 s validity runs out by itself too, and a run that ends before the
+    # renewal found out stops it before it counts the loss.
     locks["locmem"].release_owned(lease.name, lease.owner)
-    time.sleep(0.6)
+    wait_until(lambda: lease.lost_reason is not None, 10, "the renewal marking the lease lost")
     try:
         lease.check()
     except LockLost as exc:
@@ -474,7 +477,14 @@ def workers(django_db_setup):
             started.append(CeleryWorker(f"distlock-test-w{number}-{uuid.uuid4().hex[:6]}").start())
         yield started
     finally:
+        # Both warm shutdowns at once (SIGTERM, as stop() sends): each takes seconds; stop() then finds the
+        # worker gone, or kills what still runs.
         for worker in started:
+            if worker.running:
+                worker.process.terminate()
+        for worker in started:
+            with suppress(subprocess.TimeoutExpired):
+                worker.process.wait(20)
             worker.cleanup()
 
 
@@ -544,7 +554,10 @@ def test_retry_waits_for_the_key(workers):
     holder = distlock.acquire(f"celery-test:{key}", ttl=30, using="redis")
     try:
         result = tasks.HOLD["redis"].delay(key)
-        time.sleep(1.5)
+        # Refused twice while the key is held, so the run that gets it has retried twice. Celery logs
+        # each retry once (distlock's own line shows twice: through its handler and the root's).
+        retried = f"Task {tasks.HOLD['redis'].name}[{result.id}] retry: "
+        wait_until(lambda: worker_logs(workers).count(retried) >= 2, 30, "two retries of the call")
         assert not TaskRun.objects.filter(key=key).exists(), "must not run while the key is held"
     finally:
         holder.release()

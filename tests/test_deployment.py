@@ -1,8 +1,9 @@
 """Behind real servers and pools (issue 25): gunicorn workers, Celery's green pools, forks, time-limit storms.
 
-``make test`` runs a representative slice (each scenario on the backends it broke on); the full
-worker/server matrix is ``make matrix`` (``DISTLOCK_MATRIX=1``), which also writes the table of
-docs/DEPLOYMENT.md from the figures these tests record. The scenarios live in
+``make test`` runs a representative slice (each scenario on the backends it broke on), with shorter loads
+than the bars the issue set (make test's time budget); ``DISTLOCK_FAULTS_LONG=1 make test`` runs the slice
+at the issue's bars, and the full worker/server matrix is ``make matrix`` (``DISTLOCK_MATRIX=1``), which
+also writes the table of docs/DEPLOYMENT.md from the figures these tests record. The scenarios live in
 ``tests/deployment/harness.py``; the checks are its ``*_failures`` functions.
 """
 
@@ -15,7 +16,7 @@ import uuid
 import pytest
 
 from tests.celery_app.deployment_tasks import ALIASES
-from tests.conftest import require_alias
+from tests.conftest import LONG, require_alias
 from tests.deployment import harness
 from tests.workers import ROOT, child_env
 
@@ -26,8 +27,15 @@ matrix_only = pytest.mark.skipif(not MATRIX, reason="part of `make matrix`, not 
 #: Slices that `make test` leaves to `make matrix` to stay within its time budget.
 matrix_slice = pytest.mark.skipif(not MATRIX, reason="left to `make matrix` (make test's time budget)")
 
-#: Seconds of load per gunicorn run: ≥ 20 s for the regression tests, less per cell of the matrix.
-SITE_SECONDS = 20
+#: Seconds of load per gunicorn run: ≥ 20 s for the regression tests with DISTLOCK_FAULTS_LONG=1 and in
+#: ``make matrix``, 8 s in ``make test`` (its time budget); less per cell of the matrix.
+SITE_SECONDS = 20 if LONG or MATRIX else 8
+#: Runs of the green pool on PostgreSQL: the issue's 300 (15–20 of them failed) with DISTLOCK_FAULTS_LONG=1
+#: and in ``make matrix``, 150 in ``make test``: still three times the concurrency, every run over again.
+GREEN_POSTGRES_RUNS = 300 if LONG or MATRIX else 150
+#: Runs per backend of the soft time-limit storm: 80 in ``make matrix``, 40 with DISTLOCK_FAULTS_LONG=1,
+#: 20 in ``make test`` (five interrupted runs on each of the 4 keys of every backend).
+STORM_RUNS = 80 if MATRIX else 40 if LONG else 20
 MATRIX_SITE_SECONDS = float(os.environ.get("DISTLOCK_MATRIX_SITE_SECONDS", "10"))
 #: Celery pool -> concurrency (the issue's ``-c 50`` for the green pools).
 POOLS = {"prefork": 4, "threads": 16, "solo": 1, "gevent": 50, "eventlet": 50}
@@ -68,8 +76,9 @@ def describe(figures):
 
 @pytest.mark.slow
 def test_gunicorn_gevent_database_backend_on_postgresql(record):
-    """``-k gevent -w 2``, 32 clients on 4 hot names for 20 s: no worker death, no 5xx, every update counted
-    once under a token newer than the last (was: workers aborted by libev, 500s, a borrowed token 1)."""
+    """``-k gevent -w 2``, 32 clients on 4 hot names for ``SITE_SECONDS`` (20 s in long mode): no worker death,
+    no 5xx, every update counted once under a token newer than the last (was: workers aborted by libev, 500s,
+    a borrowed token 1)."""
     require("postgres")
     figures = site(record, "gevent", "postgres", SITE_SECONDS)
     assert not harness.site_failures(figures), describe(figures) + figures["log_tail"]
@@ -118,10 +127,11 @@ def green(record, pool, alias, runs, concurrency, **options):
 @pytest.mark.slow
 @pytest.mark.parametrize("pool", [pytest.param("eventlet", marks=matrix_slice), "gevent"])
 def test_green_pool_database_backend_on_postgresql(record, pool):
-    """300 runs at concurrency 50: no error, no overlap, connections ≤ concurrency + 5 (was: ``'NoneType' object
-    has no attribute 'cursor'`` in 15–20 runs, 141–152 connections)."""
-    figures, failures = green(record, pool, "postgres", 300, 50)
-    assert figures["runs"] >= 300 and not failures, describe(figures)
+    """``GREEN_POSTGRES_RUNS`` runs (300 in long mode) at concurrency 50: no error, no overlap, connections ≤
+    concurrency + 5 (was: ``'NoneType' object has no attribute 'cursor'`` in 15–20 runs of 300, 141–152
+    connections)."""
+    figures, failures = green(record, pool, "postgres", GREEN_POSTGRES_RUNS, 50)
+    assert figures["runs"] >= GREEN_POSTGRES_RUNS and not failures, describe(figures)
 
 
 @pytest.mark.slow
@@ -198,12 +208,12 @@ def storm(record, pool, aliases, runs, concurrency, limit):
 
 @pytest.mark.slow
 def test_soft_time_limit_storm_on_prefork(record):
-    """40 runs per backend, each ended by a soft time limit drawn from 0.02–0.6 s while it makes lock calls:
-    afterwards no key is held past ttl + 1 s and every key's next run gets its lock (was: keys held 27–32 s
-    with ttl 4 on every backend, znodes left for the life of the pool process)."""
+    """``STORM_RUNS`` runs per backend (40 in long mode), each ended by a soft time limit drawn from 0.02–0.6 s
+    while it makes lock calls: afterwards no key is held past ttl + 1 s and every key's next run gets its lock
+    (was: keys held 27–32 s with ttl 4 on every backend, znodes left for the life of the pool process)."""
     # SQLite was: the write slot stayed taken after a release or an extend interrupted before its last row;
     # etcd: a key held past its ttl, before its calls ran out of an interrupt's reach (backends/offload.py).
-    figures, failures = storm(record, "prefork", ALIASES, 80 if MATRIX else 40, 4, "soft")
+    figures, failures = storm(record, "prefork", ALIASES, STORM_RUNS, 4, "soft")
     assert not failures, json.dumps(figures, indent=1, default=str)
 
 

@@ -17,10 +17,18 @@ from distlock.backends.locmem import LocMemBackend
 from distlock.handler import locks
 from distlock.renewal import Renewer
 from distlock.signals import lock_acquired, lock_lost, lock_released
+from tests.conftest import BACKEND_ALIASES, alias_params, require_alias
 from tests.interrupted_waits import lines_that_break
 from tests.servers import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+
+@pytest.fixture(params=alias_params(BACKEND_ALIASES))
+def backend_alias(request):
+    """Each backend alias in turn (``tests.conftest.backend_alias``), with only the databases it needs."""
+    return require_alias(request.param)
+
 
 #: Seconds to wait for another thread's effect (bounded polls only).
 WAIT = 10

@@ -1,14 +1,17 @@
-"""Threads that come and go, taking locks: ``python -m tests.thread_churn ALIAS SECONDS PREFIX``.
+"""Threads that come and go, taking locks: ``python -m tests.thread_churn ALIAS SECONDS PREFIX [GENERATIONS REQUESTS]``.
 
-The thread patterns of real deployments, run together for SECONDS on one alias:
+The thread patterns of real deployments, run together for SECONDS on one alias (and each on until it
+went through at least GENERATIONS executor generations, or REQUESTS request threads, however long a
+loaded machine makes that take):
 - executor generations: a ``ThreadPoolExecutor`` of 10 threads, each doing 40 acquire/release,
   shut down and recreated, again and again (what ``asyncio.to_thread`` and
   ``sync_to_async(thread_sensitive=False)`` do to the threads under them);
 - a thread per request: a new thread for every request, 8 at once, each holding one of 5 names
   (what ``runserver`` does).
 Thread idents are reused as soon as a thread ends, so per-thread state keyed by them is put to the
-test. Prints one JSON line: operations, errors (with the first tracebacks) and overlaps, that is two
-threads inside the same name's critical section at once. A crash (SIGSEGV) shows as the exit status.
+test. Prints one JSON line: operations, errors (with the first tracebacks), overlaps (two threads
+inside the same name's critical section at once), and how many executor generations and request
+threads came and went. A crash (SIGSEGV) shows as the exit status.
 """
 
 import json
@@ -33,6 +36,9 @@ class Tally:
         self.errors = []
         self.overlaps = 0
         self.inside = set()
+        #: Executors shut down and request threads that ended: the threads that came and went.
+        self.generations = 0
+        self.request_threads = 0
 
     def critical_section(self, name):
         with self.lock:
@@ -56,27 +62,31 @@ def take(distlock, alias, name, tally):
         tally.error()
 
 
-def executor_generations(distlock, alias, prefix, tally, ends):
+def executor_generations(distlock, alias, prefix, tally, ends, at_least):
     def rounds(i):
         for _ in range(ROUNDS_PER_THREAD):
             take(distlock, alias, f"{prefix}:executor:{i}", tally)
 
-    while time.monotonic() < ends:
+    while time.monotonic() < ends or tally.generations < at_least:
         with ThreadPoolExecutor(EXECUTOR_THREADS) as pool:
             list(pool.map(rounds, range(EXECUTOR_THREADS)))
+        with tally.lock:
+            tally.generations += 1
 
 
-def thread_per_request(distlock, alias, prefix, tally, ends):
+def thread_per_request(distlock, alias, prefix, tally, ends, at_least):
     slots = threading.BoundedSemaphore(REQUESTS_AT_ONCE)
     threads = []
     request = 0
-    while time.monotonic() < ends:
+    while time.monotonic() < ends or request < at_least:
         slots.acquire()
 
         def serve(n=request):
             try:
                 take(distlock, alias, f"{prefix}:order:{n % REQUEST_NAMES}", tally)
             finally:
+                with tally.lock:
+                    tally.request_threads += 1
                 slots.release()
 
         thread = threading.Thread(target=serve)
@@ -88,7 +98,7 @@ def thread_per_request(distlock, alias, prefix, tally, ends):
         thread.join()
 
 
-def main(alias, seconds, prefix):
+def main(alias, seconds, prefix, generations=0, requests=0):
     import django
 
     django.setup()
@@ -96,16 +106,17 @@ def main(alias, seconds, prefix):
 
     tally = Tally()
     ends = time.monotonic() + seconds
-    loads = [threading.Thread(target=load, args=(distlock, alias, prefix, tally, ends))
-             for load in (executor_generations, thread_per_request)]
+    loads = [threading.Thread(target=load, args=(distlock, alias, prefix, tally, ends, at_least))
+             for load, at_least in ((executor_generations, generations), (thread_per_request, requests))]
     for load in loads:
         load.start()
     for load in loads:
         load.join()
     distlock.locks.close_all()
     print(json.dumps({"alias": alias, "operations": tally.operations, "errors": len(tally.errors),
-                      "first_errors": tally.errors[:3], "overlaps": tally.overlaps}), flush=True)
+                      "first_errors": tally.errors[:3], "overlaps": tally.overlaps,
+                      "generations": tally.generations, "request_threads": tally.request_threads}), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], float(sys.argv[2]), sys.argv[3])
+    main(sys.argv[1], float(sys.argv[2]), sys.argv[3], *(int(count) for count in sys.argv[4:6]))

@@ -22,11 +22,13 @@ def child_env(**extra):
     return env
 
 
-def spawn(scenario, **arguments):
-    """Start one worker process running ``scenario``; its stdout is a pipe of JSON lines."""
+def spawn(scenario, env=None, **arguments):
+    """Start one worker process running ``scenario``, with ``env`` added to its environment; its stdout is a pipe
+    of JSON lines."""
     return subprocess.Popen(
         [sys.executable, "-m", "tests.workers", scenario, json.dumps(arguments)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=child_env(**(env or {})), cwd=ROOT,
     )
 
 
@@ -60,7 +62,7 @@ def hold(alias, name, ttl):
     import distlock  # noqa: PLC0415
 
     lease = distlock.acquire(name, ttl=ttl, timeout=30, using=alias)
-    emit(token=lease.token, owner=lease.owner, pid=os.getpid())
+    emit(token=lease.token, owner=lease.owner, pid=os.getpid(), session_timeout=lease.session_timeout)
     time.sleep(3600)
 
 

@@ -8,10 +8,12 @@ same hints for both.
 """
 
 import inspect
+import re
 from hashlib import sha1
 
 import redis
 from redis.exceptions import NoScriptError
+from redis.sentinel import MasterNotFoundError
 
 from distlock.backends.options import Option
 from distlock.backends.green import ForkedChildHook
@@ -99,7 +101,7 @@ def pack(command):
     return b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(part), part) for part in parts)
 
 
-def exchange(connection, commands, timeout, packed=None):
+def exchange(connection, commands, timeout, packed=None, *, once=False):
     """Send ``commands`` on ``connection`` in one write; return their replies, error replies in their place.
 
     ``packed`` is each command already ``pack``ed, when the caller sends one command to several
@@ -114,15 +116,25 @@ def exchange(connection, commands, timeout, packed=None):
 
     A caller whose exchange an exception interrupted must disconnect the connection: its next user
     would read the replies left unread as its own (a refused acquire read as a grant).
+
+    ``once``: never send again on a fresh connection (a ``WAIT``, whose answer is about the writes
+    of the connection it is sent on).
+
+    A connection is (re)connected with ``connect()`` before the send: that is where a Sentinel-managed
+    connection asks the Sentinels for the master's address, and redis-py 8's send connects without it,
+    to the address of the master that went away.
     """
     was_connected = connection._sock is not None  # redis-py 8's ``is_connected``, in every release line
     replies = []
     try:
+        if not was_connected:
+            connection.connect()
         _send_and_read(connection, commands, timeout, replies, packed)
     except redis.ConnectionError:
-        if not was_connected or replies:
+        if once or not was_connected or replies:
             raise
         connection.disconnect()
+        connection.connect()
         _send_and_read(connection, commands, timeout, replies, packed)
     if NoScriptError not in map(type, replies):
         return replies  # the usual case, decided in C
@@ -202,7 +214,7 @@ def failure_cause(error, url):
 
     ``url`` is the server's (None if unknown): a plain ``redis://`` one dropped the way a TLS-only
     port drops it gets a hint to use TLS; a refused command says its code, and an ACL refusal what
-    the ACL user needs.
+    the ACL user needs; a Sentinel service without a master says where to look.
     """
     message = str(error).rstrip(".") or type(error).__name__
     code = refusal_code(error)
@@ -213,4 +225,14 @@ def failure_cause(error, url):
         message += " (if the server takes TLS connections only, use a rediss:// URL)"
     elif code == "NOPERM":
         message += " (the URL's ACL user needs the keys under KEY_PREFIX and the commands distlock sends)"
+    elif isinstance(error, MasterNotFoundError):
+        message = _SENTINEL_CLIENT.sub(r"Sentinel \g<host>:\g<port>", message)
+        message += (" (no Sentinel of SENTINELS answered with a master it sees up under that name: check the "
+                    "service name in the URL, redis://<service_name>/<db>, and SENTINEL_KWARGS)")
     return message
+
+
+#: How redis-py names each Sentinel that failed in ``MasterNotFoundError``: its client's repr, from
+#: ``Redis<ConnectionPool<Connection<host=...,port=...,db=0>>>`` to redis-py 8's every keyword argument.
+_SENTINEL_CLIENT = re.compile(
+    r"<?(?:redis\.client\.)?Redis[<(].*?host=(?P<host>[^,>)]+),port=(?P<port>\d+).*?(?:\)>\)>\)>|>>>)")

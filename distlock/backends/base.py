@@ -45,6 +45,7 @@ from distlock.backends.options import (
     token_epoch,
     token_in_epoch,
 )
+from distlock.backends.token_order import TokenOrder
 from distlock.exceptions import BackendUnavailable, LockNotAcquired, NotSupported
 from distlock.holder import new_owner
 from distlock.lease import Lease
@@ -68,7 +69,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Capabilities a backend may declare in ``capabilities``:
-#: ``safe_fencing_tokens``: tokens never go backwards, so stores may trust them (``lease.token_is_safe``).
+#: ``safe_fencing_tokens``: tokens never go backwards, so stores may trust them (``lease.token_is_safe``); a
+#: process refuses a server it sees go back (``distlock.backends.token_order``).
 #: ``read_write``: ``read_lock()`` / ``write_lock()`` are supported.
 #: ``notifications``: waiters are woken by the server instead of polling.
 SAFE_FENCING_TOKENS = "safe_fencing_tokens"
@@ -159,6 +161,9 @@ class Attempt:
     #: What the lease does once granted: passed on to it (``Lease``).
     auto_renew: bool = False
     max_hold: float | None = None
+    #: The highest token of the alias this process had seen when the call began: a sound server grants
+    #: above it (``distlock.backends.token_order``).
+    token_floor: int = 0
 
     def remaining(self):
         """Seconds left of the caller's timeout (never below 0), or None for no limit."""
@@ -240,6 +245,12 @@ class BaseLockBackend:
     #: (``translate_errors`` turns them into ``BackendUnavailable``).
     client_errors = ()
 
+    #: True if every grant's token is above every token of the alias granted before it was asked for,
+    #: whatever the lock's name (what the contract suite checks): with ``SAFE_FENCING_TOKENS``, a grant
+    #: that breaks this makes the process refuse the server (``distlock.backends.token_order``). False
+    #: for a server whose tokens grow per name only (an object's generation): not watched then.
+    tokens_grow_alias_wide = True
+
     #: Option names of an earlier release: old name -> new name. They keep working for one release;
     #: the system checks warn (``distlock.W002``) and name the new one.
     renamed_options = {}
@@ -260,6 +271,9 @@ class BaseLockBackend:
         self.alias = alias
         self.settings = self.clean_options(alias, options)
         self._token_epoch = self.settings["TOKEN_EPOCH"]
+        #: The order of the alias's tokens as this process saw it; refuses a server that went back.
+        self.token_order = TokenOrder(self)
+        self._watch_tokens = self.tokens_grow_alias_wide and SAFE_FENCING_TOKENS in self.capabilities
 
     def public_token(self, token):
         """Return the fencing token callers see for the backend's ``token`` (``token_in_epoch``), or None."""
@@ -403,9 +417,12 @@ class BaseLockBackend:
                              max_hold=max_hold)
 
     def _acquire(self, name, mode, *, ttl, timeout, blocking, auto_renew, max_hold):
+        order = self.token_order
+        if order.regression is not None:
+            raise order.refusal()
         attempt = Attempt(name=name, owner=new_owner(), ttl=ttl, blocking=blocking, timeout=timeout, mode=mode,
                           deadline=None if timeout is None else time.monotonic() + timeout,
-                          auto_renew=auto_renew, max_hold=max_hold)
+                          auto_renew=auto_renew, max_hold=max_hold, token_floor=order.highest)
         return self._call(functools.partial(self._acquire_loop, attempt), give_back=self._give_back)
 
     def _acquire_loop(self, attempt, job):
@@ -457,6 +474,8 @@ class BaseLockBackend:
 
         ``started`` is when the granting request was sent. A token that does not fit below
         ``TOKEN_EPOCH`` is no fencing token: the grant is given back and ``BackendUnavailable`` raised.
+        A token at or below one the alias granted before the call began means its server went back:
+        the grant is given back and ``TokenRegression`` raised (``distlock.backends.token_order``).
         """
         token = self.public_token(grant.token)
         lease = Lease(
@@ -474,6 +493,13 @@ class BaseLockBackend:
                     f"{grant.token}, which does not fit below TOKEN_EPOCH {self._token_epoch} (tokens below "
                     f"2**{EPOCH_SHIFT}); leave DISTLOCK['{self.alias}']['OPTIONS']['TOKEN_EPOCH'] out for this server."
                 )
+        if self._watch_tokens:
+            refusal = self.token_order.check_grant(grant.token, attempt.token_floor, attempt.name)
+            if refusal is not None:
+                try:
+                    self._give_back_grant(lease, attempt)
+                finally:
+                    raise refusal
         return lease
 
     # The hooks of the acquire loop.

@@ -26,25 +26,29 @@ class Option:
     """One entry of a backend's ``OPTIONS``: its accepted types, default and an optional extra check.
 
     ``check`` receives the value and returns an error message, or None when the value is fine.
+    ``shown`` is how the messages show a value, before ``redact``: ``repr``, or a function that leaves
+    out what redaction cannot recognise (the values of a dict of keyword arguments, one misspelt
+    ``password`` among them).
     """
 
-    def __init__(self, types, default=None, *, required=False, check=None, expected=None):
+    def __init__(self, types, default=None, *, required=False, check=None, expected=None, shown=repr):
         self.types = types if isinstance(types, tuple) else (types,)
         self.default = default
         self.required = required
         self.check = check
         self.expected = expected or " or ".join(t.__name__ for t in self.types)
+        self.shown = shown
 
     def clean(self, alias, name, value):
         # bool is an int subclass; a TTL of True is a typo, not a number.
         if not isinstance(value, self.types) or (isinstance(value, bool) and bool not in self.types):
             raise ImproperlyConfigured(
-                f"DISTLOCK['{alias}']['OPTIONS']['{name}'] must be {self.expected}, got {redact(repr(value))}."
+                f"DISTLOCK['{alias}']['OPTIONS']['{name}'] must be {self.expected}, got {redact(self.shown(value))}."
             )
         problem = self.check(value) if self.check else None
         if problem:
             raise ImproperlyConfigured(
-                f"DISTLOCK['{alias}']['OPTIONS']['{name}'] {problem}, got {redact(repr(value))}."
+                f"DISTLOCK['{alias}']['OPTIONS']['{name}'] {problem}, got {redact(self.shown(value))}."
             )
         return value
 

@@ -22,6 +22,15 @@ most that long and never blocks them.
 Assumptions, said plainly: this is one Redis instance (not a cluster: the scripts build the wake key
 names themselves). A restart without persistence loses the locks (a second holder may get one at
 once: use ``FencedModel``) but never the token order, as long as the server clock does not step back.
+
+With ``SENTINELS`` the instance is whichever master Redis Sentinel names for the service, asked
+again on every new connection, so after a failover the locks are taken on the promoted replica.
+Replication is asynchronous: a grant the replica had not received is lost with the old master, and
+the lock is granted a second time (use ``FencedModel``). The token still does not go back, because
+the promoted replica's clock has moved on past every token the old master issued, as long as the
+two clocks differ by less than the failover takes (at least Sentinel's ``down-after-milliseconds``).
+``REPLICAS_ACK`` reports a grant or an extension only once that many replicas acknowledged it
+(``WAIT``), which narrows that window but does not close it: Redis stays asynchronous.
 """
 
 import collections
@@ -33,14 +42,28 @@ import time
 from datetime import datetime, timedelta, timezone
 
 import redis
+import redis.backoff
+import redis.retry
+import redis.sentinel
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
 from distlock.backends import _redis
 from distlock.backends.base import NOTIFICATIONS, SAFE_FENCING_TOKENS, BaseLockBackend, Grant, operation_words
 from distlock.backends.deadlines import request_seconds
-from distlock.backends.options import Option, positive_number
-from distlock.backends.redis_servers import redis_server, unsecured, url_problem
+from distlock.backends.options import Option, positive_count, positive_number
+from distlock.backends.redis_servers import (
+    SENTINEL_URL_SHAPE,
+    redis_server,
+    sentinel_kwargs_problem,
+    sentinel_kwargs_shown,
+    sentinel_service,
+    sentinel_url_problem,
+    sentinels_problem,
+    unsecured,
+    unsecured_sentinels,
+    url_problem,
+)
 from distlock.exceptions import BackendUnavailable, LockNotAcquired
 from distlock.holder import holder_record, read_holder_record
 from distlock.redaction import redact
@@ -107,7 +130,8 @@ _HELPERS = (_redis.LUA_CLOCK, _LUA_HELPERS)
 #   server clock has not stepped back. A blocking caller that is not granted holds a place in the
 #   queue, refreshed on every attempt. Whoever drops dead waiters while the lock is free wakes the
 #   new head, since no release will. Running the script twice for one owner (a command re-sent after
-#   its reply was lost) reports the first grant again instead of waiting for itself.
+#   its reply was lost) reports the first grant again instead of waiting for itself, and sets its ttl
+#   anew: a write, so a WAIT on the new connection (``REPLICAS_ACK``) counts the replicas that have it.
 # Returns: {1, token, acquired_us} granted; {0, ms} not granted, retry within ms at the latest (the
 #   holder's remaining ttl, or how long the head waiter's entry has left to live).
 ACQUIRE = _redis.Script("acquire", """
@@ -125,6 +149,7 @@ end
 local current = redis.call('GET', KEYS[1])
 if held_by(current, owner) then
   local token, acquired = string.match(current, '\\n(%d+)\\n(%d+)\\n')
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return {1, tonumber(token), tonumber(acquired)}
 elseif current then
   queue_up()
@@ -226,6 +251,14 @@ class RedisBackend(BaseLockBackend):
     whose connection pool is reused; its socket timeouts then come from that cache), ``KEY_PREFIX``,
     ``REQUEST_TIMEOUT`` and ``SOCKET_CONNECT_TIMEOUT`` (seconds, with ``URL`` only).
 
+    Redis Sentinel, in django-redis's words: ``URL`` names the service, ``redis://<service_name>/<db>``
+    (its password is the masters'), ``SENTINELS`` lists the Sentinels as ``(host, port)`` pairs and
+    ``SENTINEL_KWARGS`` holds redis-py's keyword arguments for them (their password, TLS, timeouts).
+
+    ``REPLICAS_ACK``: report a grant or an extension only once that many replicas acknowledged it
+    (``WAIT``, within ``REPLICAS_ACK_TIMEOUT`` seconds); fewer is ``BackendUnavailable``, and a grant
+    is given back first.
+
     TLS and ACL users are the URL's, as redis-py's ``from_url`` reads them:
     ``rediss://user:password@host:port/db?ssl_ca_certs=/ca.crt&ssl_certfile=...&ssl_keyfile=...&ssl_cert_reqs=required``.
 
@@ -245,15 +278,31 @@ class RedisBackend(BaseLockBackend):
         "REQUEST_TIMEOUT": Option((int, float), None, check=positive_number, expected="a number of seconds"),
         "SOCKET_CONNECT_TIMEOUT": Option((int, float), None, check=positive_number,
                                          expected="a number of seconds"),
+        "SENTINELS": Option((list, tuple), None, check=sentinels_problem,
+                            expected="a list of (host, port) pairs, one per Redis Sentinel"),
+        "SENTINEL_KWARGS": Option(dict, None, check=sentinel_kwargs_problem, shown=sentinel_kwargs_shown,
+                                  expected="a dict of redis-py keyword arguments for the Sentinels"),
+        "REPLICAS_ACK": Option(int, None, check=positive_count, expected="a number of replicas"),
+        "REPLICAS_ACK_TIMEOUT": Option((int, float), None, check=positive_number, expected="a number of seconds"),
     }
 
     #: ``REQUEST_TIMEOUT`` and ``SOCKET_CONNECT_TIMEOUT`` of a ``URL`` alias that leaves them out (seconds).
     default_request_timeout = 2.0
     default_socket_connect_timeout = 2.0
+    #: ``REPLICAS_ACK_TIMEOUT`` of an alias with ``REPLICAS_ACK`` that leaves it out (seconds).
+    default_replicas_ack_timeout = 0.1
 
     @classmethod
     def check_combination(cls, alias, options):
         where = f"DISTLOCK['{alias}']['OPTIONS']"
+        if options["REPLICAS_ACK_TIMEOUT"] is not None and options["REPLICAS_ACK"] is None:
+            raise ImproperlyConfigured(
+                f"{where}['REPLICAS_ACK_TIMEOUT'] is read only with 'REPLICAS_ACK'; set how many replicas must "
+                "acknowledge each grant as 'REPLICAS_ACK', or leave REPLICAS_ACK_TIMEOUT out."
+            )
+        if options["SENTINELS"] is not None or options["SENTINEL_KWARGS"] is not None:
+            cls._check_sentinel_combination(where, options)
+            return
         if (options["URL"] is None) == (options["CACHE"] is None):
             raise ImproperlyConfigured(
                 f"{where} needs exactly one of 'URL' (a redis:// URL) or 'CACHE' (the alias of a django-redis "
@@ -275,9 +324,33 @@ class RedisBackend(BaseLockBackend):
                 f"(configured: {', '.join(map(repr, caches)) or 'none'})."
             )
 
+    @staticmethod
+    def _check_sentinel_combination(where, options):
+        """Raise ``ImproperlyConfigured`` unless ``SENTINELS`` comes with a service ``URL`` and nothing of ``CACHE``."""
+        if options["SENTINELS"] is None:
+            raise ImproperlyConfigured(
+                f"{where}['SENTINEL_KWARGS'] is read only with 'SENTINELS'; add the Sentinels' (host, port) pairs "
+                "as 'SENTINELS', or leave SENTINEL_KWARGS out."
+            )
+        if options["CACHE"] is not None:
+            raise ImproperlyConfigured(
+                f"{where}['SENTINELS'] cannot be combined with 'CACHE': give the Sentinel service as "
+                f"'URL' ({SENTINEL_URL_SHAPE}), or leave the Sentinels to the cache's OPTIONS."
+            )
+        url = options["URL"]
+        if url is None:
+            raise ImproperlyConfigured(
+                f"{where} needs 'URL' naming the Sentinel service, {SENTINEL_URL_SHAPE}, with 'SENTINELS'."
+            )
+        problem = sentinel_url_problem(url)
+        if problem:
+            raise ImproperlyConfigured(f"{where}['URL'] {problem}, got {redact(repr(url))}.")
+
     @classmethod
     def key_spaces(cls, alias, options):
-        return [(redis_server(url), options["KEY_PREFIX"]) for url in cls._server_urls(options)]
+        sentinels, _ = cls._sentinels(options)
+        identify = redis_server if sentinels is None else sentinel_service
+        return [(identify(url), options["KEY_PREFIX"]) for url in cls._server_urls(options)]
 
     @classmethod
     def security_warnings(cls, alias, options):
@@ -286,8 +359,31 @@ class RedisBackend(BaseLockBackend):
         if options["CACHE"] is not None:
             cache_options = settings.CACHES.get(options["CACHE"], {}).get("OPTIONS", {})
             password = cache_options.get("PASSWORD") or cache_options.get("CONNECTION_POOL_KWARGS", {}).get("password")
-        messages = (unsecured(url, password=password) for url in cls._server_urls(options))
+        sentinels, sentinel_kwargs = cls._sentinels(options)
+        if sentinels is None:
+            messages = (unsecured(url, password=password) for url in cls._server_urls(options))
+            return [message for message in messages if message]
+        messages = [
+            f"the masters of Redis Sentinel service {sentinel_service(url)[1]!r} are reached with neither TLS nor "
+            "a password: anyone who can connect to them can take, release or delete every lock. Use a rediss:// "
+            "URL (with ssl_ca_certs=... in its query) and an ACL user: rediss://user:password@<service_name>/<db>."
+            for url in cls._server_urls(options) if unsecured(url, password=password)]
+        messages.append(unsecured_sentinels(sentinels, sentinel_kwargs))
         return [message for message in messages if message]
+
+    @staticmethod
+    def _sentinels(options):
+        """Return the ``SENTINELS`` and ``SENTINEL_KWARGS`` of the alias or of its cache; (None, {}) without Sentinels.
+
+        A django-redis cache's are used only if they are valid (django-redis itself would refuse the others).
+        """
+        if options["CACHE"] is None:
+            return options["SENTINELS"], options["SENTINEL_KWARGS"] or {}
+        cache_options = settings.CACHES.get(options["CACHE"], {}).get("OPTIONS", {})
+        sentinels, kwargs = cache_options.get("SENTINELS"), cache_options.get("SENTINEL_KWARGS") or {}
+        if sentinels is None or sentinels_problem(sentinels) or not isinstance(kwargs, dict):
+            return None, {}
+        return sentinels, kwargs
 
     @staticmethod
     def _server_urls(options):
@@ -305,6 +401,10 @@ class RedisBackend(BaseLockBackend):
         self._lock_prefix = f"{prefix}:lock:"
         self._connections = None
         self._connections_lock = threading.Lock()
+        if self.settings["SENTINELS"] is not None:
+            self.label = f"Redis Sentinel service {sentinel_service(self.settings['URL'])[1]!r}"
+        self._replicas_ack = self.settings["REPLICAS_ACK"]
+        self._ack_timeout = self.settings["REPLICAS_ACK_TIMEOUT"] or self.default_replicas_ack_timeout
 
     # -- connections and errors -----------------------------------------------------------------
 
@@ -317,13 +417,46 @@ class RedisBackend(BaseLockBackend):
         if self._connections is None:
             with self._connections_lock:
                 if self._connections is None:
-                    self._connections = _Connections(self._make_pool(), owned=self.settings["URL"] is not None)
+                    if self.settings["SENTINELS"] is not None:
+                        self._connections = self._sentinel_connections()
+                    else:
+                        self._connections = _Connections(self._make_pool(), owned=self.settings["URL"] is not None)
         return self._connections
+
+    def _timeouts(self):
+        """Return the socket timeout (``REQUEST_TIMEOUT``) and connect timeout of an alias with a pool of its own."""
+        return (self.settings["REQUEST_TIMEOUT"] or self.default_request_timeout,
+                self.settings["SOCKET_CONNECT_TIMEOUT"] or self.default_socket_connect_timeout)
+
+    def _sentinel_connections(self):
+        """Return connections to the master of the ``URL``'s Sentinel service (redis-py's ``SentinelConnectionPool``).
+
+        Each new connection asks the Sentinels, in turn, for the master's address, so after a failover
+        it reaches the promoted replica; idle connections to a master that went away fail on first use
+        and are replaced (``_redis.exchange``), and one to a master demoted to a replica is dropped by
+        redis-py on its ``READONLY`` reply. The Sentinels are asked with the same timeouts unless
+        ``SENTINEL_KWARGS`` sets its own, and once each: asking the next Sentinel is the retry
+        (redis-py 6 and later would retry each one three times, with back-off, by default).
+        """
+        timeout, connect = self._timeouts()
+        url = self.settings["URL"]
+        service = sentinel_service(url)[1]
+        master_kwargs = redis.connection.parse_url(url)
+        master_kwargs.pop("host", None)
+        if master_kwargs.pop("connection_class", None) is redis.connection.SSLConnection:
+            master_kwargs["ssl"] = True  # the pool picks its own, Sentinel-managed, TLS connection class
+        sentinel = redis.sentinel.Sentinel(
+            [tuple(pair) for pair in self.settings["SENTINELS"]],
+            sentinel_kwargs={"socket_timeout": timeout, "socket_connect_timeout": connect,
+                             "retry": redis.retry.Retry(redis.backoff.NoBackoff(), 0),
+                             **(self.settings["SENTINEL_KWARGS"] or {})},
+            socket_timeout=timeout, socket_connect_timeout=connect)
+        pool = sentinel.master_for(service, **master_kwargs).connection_pool
+        return _Connections(pool, owned=True, sentinels=sentinel.sentinels)
 
     def _make_pool(self):
         if self.settings["URL"] is not None:
-            timeout = self.settings["REQUEST_TIMEOUT"] or self.default_request_timeout
-            connect = self.settings["SOCKET_CONNECT_TIMEOUT"] or self.default_socket_connect_timeout
+            timeout, connect = self._timeouts()
             return redis.ConnectionPool.from_url(self.settings["URL"], socket_timeout=timeout,
                                                  socket_connect_timeout=connect)
         from django_redis import get_redis_connection  # noqa: PLC0415 - only CACHE needs django-redis
@@ -371,6 +504,27 @@ class RedisBackend(BaseLockBackend):
     def _run(self, script, keys, args, *, operation, deadline=None):
         return self._execute(script.command(keys, args), operation=operation, timeout=self._request_seconds(deadline))
 
+    def _run_acknowledged(self, script, keys, args, *, operation, written, deadline=None):
+        """Return the reply of ``script`` and how many replicas acknowledged its write (None unless ``written(reply)``).
+
+        ``WAIT`` goes on the connection that ran the script: it counts the replicas that have that
+        connection's writes. Its reply may take ``REPLICAS_ACK_TIMEOUT`` more than a request.
+        """
+        wait = ("WAIT", self._replicas_ack, math.ceil(self._ack_timeout * 1000))
+        with self.translate_errors(operation):
+            reply, acknowledged = self._get_connections().exchange_acknowledged(
+                script.command(keys, args), self._request_seconds(deadline), wait, self._ack_timeout, written)
+            for answer in (reply, acknowledged):
+                if isinstance(answer, redis.ResponseError):
+                    self._raise_error_reply(answer, operation)
+            return reply, acknowledged
+
+    def _unacknowledged(self, operation, what, acknowledged, *, given_back=False):
+        """Return the ``BackendUnavailable`` for a write fewer replicas than ``REPLICAS_ACK`` acknowledged."""
+        return self.unavailable(operation, (
+            f"{acknowledged} of the {self._replicas_ack} replica(s) REPLICAS_ACK asks for acknowledged {what} within "
+            f"{self._ack_timeout:g}s (REPLICAS_ACK_TIMEOUT){'; it was given back' if given_back else ''}"))
+
     def _keys(self, name):
         """Return the lock, queue, alive and wake-prefix keys of lock ``name``."""
         prefix = self._prefix
@@ -397,16 +551,31 @@ class RedisBackend(BaseLockBackend):
 
     def _try_acquire(self, attempt):
         lock, queue, alive, wake = self._keys(attempt.name)
-        reply = self._run(ACQUIRE, (lock, self._token_key, queue, alive, wake),
-                          (attempt.owner, math.ceil(attempt.ttl * 1000), holder_record(),
-                           "1" if attempt.blocking else "0", _WAITER_TTL_MS),
-                          operation=("acquire lock", attempt.name),
-                          deadline=attempt.deadline if attempt.blocking else None)
+        keys = (lock, self._token_key, queue, alive, wake)
+        args = (attempt.owner, math.ceil(attempt.ttl * 1000), holder_record(), "1" if attempt.blocking else "0",
+                _WAITER_TTL_MS)
+        operation = ("acquire lock", attempt.name)
+        deadline = attempt.deadline if attempt.blocking else None
+        if self._replicas_ack is None:
+            reply = self._run(ACQUIRE, keys, args, operation=operation, deadline=deadline)
+        else:
+            reply, acknowledged = self._run_acknowledged(ACQUIRE, keys, args, operation=operation, deadline=deadline,
+                                                         written=lambda reply: reply[0] == 1)
+            if reply[0] == 1 and acknowledged < self._replicas_ack:
+                self._give_back_unacknowledged(attempt)
+                raise self._unacknowledged(operation, "the grant", acknowledged, given_back=True)
         if reply[0] != 1:
             attempt.retry_after = reply[1] / 1000
             return None
         token, acquired_us = reply[1], reply[2]
         return Grant(token=token, acquired_at=datetime.fromtimestamp(acquired_us / 1e6, timezone.utc))
+
+    def _give_back_unacknowledged(self, attempt):
+        """Delete a grant too few replicas acknowledged: a failover could hand it to a second holder."""
+        try:
+            self.release_owned(attempt.name, attempt.owner)
+        except BackendUnavailable as exc:
+            logger.warning("%s The unacknowledged grant expires within its ttl of %gs.", exc, attempt.ttl)
 
     def _wait_for_release(self, attempt, remaining):
         """Block on this waiter's wake list until the release hands it the lock, or the server's hint runs out.
@@ -438,8 +607,16 @@ class RedisBackend(BaseLockBackend):
     def _do_extend(self, lease, ttl):
         # An extension that cannot answer before the lease runs out is worth nothing: bound it so
         # renewal reports a frozen server while the lease is still valid.
-        return self._run(EXTEND, (self._keys(lease.name)[0],), (lease.owner, math.ceil(ttl * 1000)),
-                         operation=("extend lock", lease.name), deadline=time.monotonic() + lease.remaining()) == 1
+        keys, args = (self._keys(lease.name)[0],), (lease.owner, math.ceil(ttl * 1000))
+        operation, deadline = ("extend lock", lease.name), time.monotonic() + lease.remaining()
+        if self._replicas_ack is None:
+            return self._run(EXTEND, keys, args, operation=operation, deadline=deadline) == 1
+        # An extension the replicas lack would be lost in a failover: the lease keeps its old validity.
+        reply, acknowledged = self._run_acknowledged(EXTEND, keys, args, operation=operation, deadline=deadline,
+                                                     written=lambda reply: reply == 1)
+        if reply == 1 and acknowledged < self._replicas_ack:
+            raise self._unacknowledged(operation, "the extension", acknowledged)
+        return reply == 1
 
     # -- operating -----------------------------------------------------------------------------
 
@@ -502,10 +679,12 @@ class _Connections:
     (``_redis.exchange``).
     """
 
-    def __init__(self, pool, *, owned):
+    def __init__(self, pool, *, owned, sentinels=()):
         self.pool = pool
         #: True if the pool is ours (``URL``) and is disconnected on close; a cache's pool is left open.
         self.owned = owned
+        #: redis-py clients of the Sentinels that name the pool's master, disconnected on close.
+        self.sentinels = sentinels
         self.socket_timeout = pool.connection_kwargs.get("socket_timeout")
         #: How many idle connections are kept here rather than given back to the pool.
         self.max_idle = MAX_IDLE if owned else 0
@@ -537,6 +716,27 @@ class _Connections:
         else:
             self.pool.release(connection)
 
+    def exchange_acknowledged(self, command, timeout, wait, wait_seconds, written):
+        """Return the reply to ``command`` and, if ``written(reply)``, the reply to ``wait`` (a ``WAIT``), else None.
+
+        Both on one connection: ``WAIT`` counts the replicas that have its own connection's writes.
+        ``WAIT`` is never sent again on a fresh connection (which has written nothing, so every replica
+        has its writes); its reply may take ``wait_seconds`` more than ``timeout``.
+        """
+        connection = self._borrow()
+        try:
+            (reply,) = _redis.exchange(connection, [command], timeout)
+            acknowledged = None
+            if not isinstance(reply, redis.ResponseError) and written(reply):
+                bound = None if timeout is None else timeout + wait_seconds
+                (acknowledged,) = _redis.exchange(connection, [wait], bound, once=True)
+        except BaseException:
+            connection.disconnect()
+            self._give_back(connection)
+            raise
+        self._give_back(connection)
+        return reply, acknowledged
+
     def exchange(self, commands, timeout):
         """Return the replies to ``commands`` (``_redis.exchange``), error replies in their place.
 
@@ -563,3 +763,5 @@ class _Connections:
                 self.pool.release(connection)
         if self.owned:
             self.pool.disconnect()
+        for sentinel in self.sentinels:
+            sentinel.connection_pool.disconnect()

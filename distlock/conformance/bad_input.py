@@ -13,7 +13,13 @@ import time
 import distlock
 from distlock.backends.base import READ_WRITE
 from distlock.conformance.report import Result
-from distlock.exceptions import BackendUnavailable, InvalidLockBackendError, LockError, LockNotAcquired
+from distlock.exceptions import (
+    BackendUnavailable,
+    InvalidLockBackendError,
+    LockError,
+    LockNotAcquired,
+    TokenRegression,
+)
 from distlock.handler import locks
 from distlock.validation import MAX_NAME_LENGTH, MAX_SECONDS
 
@@ -165,7 +171,11 @@ def bad_input(alias, backend, prefix, store=None):
 
 def _extensions(check, name):
     """``Lease.extend()`` with bad ttls (refused, lease unchanged) and odd ones (never more validity than granted)."""
-    lease = distlock.acquire(name, ttl=30, using=check.alias, timeout=10)
+    try:
+        lease = distlock.acquire(name, ttl=30, using=check.alias, timeout=10)
+    except TokenRegression as exc:  # the alias's tokens went back in the calls before: reported, not raised
+        check.violations.append(f"acquire({_short(name)}) -> TokenRegression: {exc}")
+        return
     try:
         for ttl in BAD_SECONDS:
             check.refused_call(f"lease.extend({_short(ttl)})", lambda ttl=ttl: lease.extend(ttl))

@@ -172,16 +172,19 @@ class Client:
         return {}
 
     def loop(self, name, count, ttl, timeout=None, hold=(0.01, 0.05), gap=(0.0, 0.02), row=None, via="lease",
-             seed=0):
+             seed=0, stop=None):
         """Contend ``count`` times: acquire, claim ``row``, critical section of ``hold`` seconds, write, release.
 
         Failures the library documents (not acquired, server unavailable, lease lost) are counted and
         the loop goes on: under faults they are expected, and the checker judges what did happen.
+        ``stop``: a file path; the loop also ends once the parent has created it.
         """
         rng = random.Random(seed)
         counts = {"acquired": 0, "failed": 0, "accepted": 0, "refused": 0}
         expected = (self.distlock.LockNotAcquired, self.distlock.BackendUnavailable)
         for _ in range(count):
+            if stop is not None and Path(stop).exists():
+                break
             try:
                 self.acquire(name, ttl, timeout=timeout)
             except expected:
@@ -864,6 +867,7 @@ class InterruptStorm:
                 extended = lease.extend()
                 self.history.record("cs_exit", lock=name, owner=lease.owner, token=lease.token)
                 released = lease.release()
+                self.history.record("release", phase="ok", lock=name, owner=lease.owner, released=released)
             except Exception as exc:  # noqa: BLE001 - any failure means the alias is broken
                 problems.append(f"{type(exc).__name__} on {name!r}: {exc}")
                 self.tracebacks.append(f"after the storm, on {name!r}:\n" + "".join(traceback.format_exception(exc)))

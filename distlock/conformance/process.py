@@ -45,15 +45,17 @@ def child_environment(extra=None):
 class ClientProcess:
     """One client process (``distlock.conformance.client`` or a module wrapping it) and its answers."""
 
-    def __init__(self, proc, config, directory, *, nemesis, env=None, module="distlock.conformance.client"):
+    def __init__(self, proc, config, directory, *, nemesis, env=None, module="distlock.conformance.client",
+                 exec_prefix=()):
+        """``exec_prefix``: a command the client runs under (``ip netns exec <host>``: a client on a test host)."""
         self.proc = proc
         self.nemesis = nemesis
         directory = Path(directory)
         config = {**config, "proc": proc, "history": str(directory / f"{proc}.jsonl")}
         self._stderr = open(directory / f"{proc}.stderr", "w+", encoding="utf-8")  # noqa: SIM115 - closed in _closed
         self.process = subprocess.Popen(
-            [sys.executable, "-m", module, json.dumps(config)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self._stderr, text=True, env=child_environment(env), start_new_session=True,
+            [*exec_prefix, sys.executable, "-m", module, json.dumps(config)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=child_environment(env), start_new_session=True,
         )
         self._answers = {}
         self._changed = threading.Condition()

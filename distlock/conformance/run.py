@@ -54,12 +54,12 @@ class Run:
         """Return a lock name no other run uses."""
         return f"{self.prefix}:{next(self._names)}"
 
-    def spawn(self, *procs, alias=None, env=None, module=None):
+    def spawn(self, *procs, alias=None, env=None, module=None, exec_prefix=()):
         """Start one client per name in ``procs`` (in parallel) and return them once all are ready."""
         config = {"alias": alias or self.alias, "store": self.store.config if self.store else None}
         env = {**(self.env or {}), **(env or {})}
         started = [ClientProcess(proc, config, self.directory, nemesis=self.nemesis, env=env,
-                                 module=module or self.module) for proc in procs]
+                                 module=module or self.module, exec_prefix=exec_prefix) for proc in procs]
         self.clients.extend(started)
         for client in started:
             client.wait_ready()
@@ -104,26 +104,44 @@ class Run:
 
     # -- the verdict ----------------------------------------------------------------------------------
 
-    def history(self):
+    def history(self, *, lock=None, rows=None):
+        """The run's events; with ``lock``, only that lock's, its ``rows``' commits and the nemesis's own."""
         events = load(self.directory)
+        if lock is not None:
+            events = [event for event in events if event.get("lock", lock) == lock]
         if self.fenced:
-            events += self.store.commits(self.rows)
+            events += self.store.commits(self.rows if rows is None else rows)
         return sorted(events, key=lambda event: event["t"])
 
-    def judge(self, scenario, backend, runs, *, expect_overlap, recovery_bound=None):
+    def judge(self, scenario, backend, runs, *, expect_overlap, recovery_bound=None, forgets_grants=False, lock=None,
+              rows=None):
         """Return the ``Result`` of the run's history; call it after ``close()``.
 
-        ``expect_overlap``: why un-fenced critical sections are expected to overlap (reported), or
-        False: an overlap is then a violation (no fault could explain it).
+        ``expect_overlap``: why un-fenced critical sections may overlap: each overlap must then be
+        explained by a fault the nemesis injected or a lease its holder saw lost; or False: any
+        overlap is a violation. ``forgets_grants``: why the servers may forget a grant (a restart
+        without persistence), so a history that no lock service could have produced (P4) is expected;
+        False asserts P4. ``lock`` and ``rows`` judge one lock of a run whose clients go on (a soak's
+        episode): its events and its rows only, and before ``close()``, so without the clients'
+        rejection metric.
         """
-        history = self.history()
+        rows = self.rows if rows is None else rows
+        history = self.history(lock=lock, rows=rows)
         values = self.store.values() if self.fenced else {}
-        verdict = check(history, initial=dict.fromkeys(self.rows, 0) if values else None,
-                        final={pk: values[pk] for pk in self.rows} if values else None)
+        token_is_safe = self.describe()["token_is_safe"]
+        verdict = check(history, initial=dict.fromkeys(rows, 0) if values else None,
+                        final={pk: values[pk] for pk in rows} if values else None,
+                        tokens_must_increase=token_is_safe, forgets_grants=forgets_grants,
+                        only_faults_cause_overlaps=bool(expect_overlap))
         result = Result(scenario=scenario, backend=backend, runs=runs, acquisitions=verdict.acquisitions,
                         overlaps=verdict.overlaps, recovery_ms=verdict.recovery_ms)
         problems = result.violations
-        if self.describe()["token_is_safe"]:
+        if verdict.linearizability_violations and forgets_grants:
+            result.notes.append(f"{len(verdict.linearizability_violations)} lock(s) granted twice, as expected: "
+                                f"{forgets_grants}")
+        elif verdict.linearizability_violations:
+            problems.extend(f"not linearizable (P4): {text}" for text in verdict.linearizability_violations)
+        if token_is_safe:
             if verdict.duplicate_tokens:
                 problems.append(f"{len(verdict.duplicate_tokens)} fencing token(s) issued twice")
             if verdict.regressions:
@@ -132,8 +150,8 @@ class Run:
             result.stale_accepted = len(verdict.stale_accepted)
             result.false_rejections = len(verdict.false_rejections)
             result.rejections = verdict.rejections
-            result.rejection_rows = self.store.rejection_rows(self.rows)
-            result.rejection_metric = self._metric
+            result.rejection_rows = self.store.rejection_rows(rows)
+            result.rejection_metric = self._metric if lock is None else None
             if verdict.stale_accepted:
                 problems.append(f"{len(verdict.stale_accepted)} stale write(s) accepted")
             if verdict.false_rejections:
@@ -142,9 +160,13 @@ class Run:
                 problems.append(f"{len(verdict.stray_tokens)} write(s) accepted with a token not issued to them")
             if verdict.lost_updates:
                 problems.append(f"{verdict.lost_updates} acknowledged increment(s) lost")
+            problems.extend(f"acknowledged write lost: {text}" for text in verdict.lost_writes)
+            problems.extend(f"stale read: {text}" for text in verdict.stale_reads)
             if result.rejection_rows != result.rejections or result.rejection_metric not in (None, result.rejections):
                 problems.append("refused writes counted differently by the history, the rejection log and the metric")
-        if expect_overlap and verdict.overlaps:
+        if expect_overlap and verdict.unexplained_overlaps:
+            problems.extend(f"overlap no fault explains: {text}" for text in verdict.unexplained_overlaps)
+        elif expect_overlap and verdict.overlaps:
             result.notes.append(f"overlaps expected: {expect_overlap}")
         elif expect_overlap:
             result.notes.append(f"no overlap, although {expect_overlap}")

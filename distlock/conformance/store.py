@@ -48,6 +48,7 @@ def _models(suffix):
         "token": models.BigIntegerField(),
         "accepted": models.BooleanField(),
         "current": models.BigIntegerField(null=True),
+        "value": models.BigIntegerField(null=True),  # read by a claim, written by a write: the register check
         "delta": models.IntegerField(default=0),
         "owner": models.CharField(max_length=64),
         "proc": models.CharField(max_length=64),
@@ -105,7 +106,7 @@ class FencedStore:
         try:
             with transaction.atomic(using=self.database):
                 row = self.Row.objects.using(self.database).claim_in_transaction(lease_or_token, pk=pk)
-                self._log("claim", pk, token, True, owner=owner, proc=proc)
+                self._log("claim", pk, token, True, value=row.value, owner=owner, proc=proc)
         except StaleFencingToken as exc:
             self._log("claim", pk, token, False, current=exc.current_token, owner=owner, proc=proc)
             return "stale", None, exc.current_token
@@ -124,7 +125,7 @@ class FencedStore:
         try:
             with transaction.atomic(using=self.database):
                 row.save(using=self.database, update_fields=["value"], **carried)
-                self._log("write", pk, token, True, delta=delta, owner=owner, proc=proc)
+                self._log("write", pk, token, True, value=value, delta=delta, owner=owner, proc=proc)
         except StaleFencingToken as exc:
             self._log("write", pk, token, False, current=exc.current_token, delta=delta, owner=owner, proc=proc)
             return "stale", exc.current_token
@@ -136,10 +137,10 @@ class FencedStore:
             return "unsafe", None
         return "accepted", None
 
-    def _log(self, kind, pk, token, accepted, *, owner, proc, current=None, delta=0):
+    def _log(self, kind, pk, token, accepted, *, owner, proc, current=None, value=None, delta=0):
         self.Commit.objects.using(self.database).create(
-            row=pk, kind=kind, token=token, accepted=accepted, current=current, delta=delta, owner=owner,
-            proc=proc, t=time.monotonic_ns())
+            row=pk, kind=kind, token=token, accepted=accepted, current=current, value=value, delta=delta,
+            owner=owner, proc=proc, t=time.monotonic_ns())
 
     # -- what the store saw, for the checker ------------------------------------------------------------
 
@@ -147,7 +148,7 @@ class FencedStore:
         """Return the log of rows ``pks`` as ``store_commit`` events, in commit order (``seq``)."""
         return [
             {"t": c.t, "proc": c.proc, "op": "store_commit", "seq": c.id, "row": c.row, "kind": c.kind,
-             "token": c.token, "accepted": c.accepted, "current": c.current, "owner": c.owner,
+             "token": c.token, "accepted": c.accepted, "current": c.current, "value": c.value, "owner": c.owner,
              "delta": c.delta if c.accepted else 0}
             for c in self.Commit.objects.using(self.database).filter(row__in=pks).order_by("id")
         ]

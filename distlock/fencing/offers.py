@@ -47,7 +47,9 @@ def _lease_offer(model, lease):
     """Return the ``Offer`` of ``lease``, checked before any I/O.
 
     A lease known lost or expired raises ``LockLost``; a lease from a backend whose tokens may go
-    backwards (Redlock) raises ``UnsafeFencingToken`` unless ``model.allow_unsafe_tokens``.
+    backwards (Redlock) raises ``UnsafeFencingToken`` unless ``model.allow_unsafe_tokens``; a lease of
+    an alias whose server this process saw go back raises ``TokenRegression``
+    (``distlock.backends.token_order``).
     """
     if not lease.token_is_safe and not model.allow_unsafe_tokens:
         raise UnsafeFencingToken(
@@ -55,6 +57,9 @@ def _lease_offer(model, lease):
             f"({type(lease.backend).__name__}) cannot promise that its tokens never go backwards. Use a "
             f"backend with safe tokens, or set allow_unsafe_tokens = True on {model.__name__} to accept the risk."
         )
+    refusal = lease.backend.token_order.refusal()
+    if refusal is not None:
+        raise refusal
     lease.check()
     return Offer(token=lease.token, lock_name=lease.name, alias=lease.alias)
 

@@ -17,6 +17,7 @@ __all__ = [
     "count_lost",
     "count_rejection",
     "count_task_conflict",
+    "count_token_regression",
     "exposition",
     "instruments",
     "observe_acquisitions",
@@ -52,6 +53,10 @@ class _Instruments:
             "at once. Alert on any increase.", ["alias"])
         self.lock_lost = prometheus_client.Counter(
             "distlock_lock_lost", "Leases found lost (failed renewal, expired session, max_hold).", ["alias"])
+        self.token_regressions = prometheus_client.Counter(
+            "distlock_token_regressions", "Aliases whose server went back (restored, wiped, clock stepped back) "
+            "as a process saw it: from then on it refuses their grants and fenced writes. Alert on any increase.",
+            ["alias"])
         self.task_conflicts = prometheus_client.Counter(
             "distlock_task_conflicts", "Celery runs that found their lock key held, by outcome.",
             ["alias", "outcome"])
@@ -111,6 +116,11 @@ def count_lost(alias, count=1):
 def count_rejection(alias):
     if instruments() is not None:
         _child("fencing_rejections", alias).inc()
+
+
+def count_token_regression(alias):
+    if instruments() is not None:
+        _child("token_regressions", alias).inc()
 
 
 def count_task_conflict(alias, outcome, count=1):

@@ -12,12 +12,67 @@ import distlock
 from distlock.backends.base import READ_WRITE
 from distlock.handler import locks
 from distlock.signals import lock_acquired, lock_lost, lock_released
+from tests.conftest import BACKEND_ALIASES, LONG, SHARED_ALIASES, alias_params, require_alias
+from tests.servers import wait_until
 from tests.workers import read_events, spawn
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
+
+@pytest.fixture(params=alias_params(BACKEND_ALIASES))
+def backend_alias(request):
+    """Each backend alias in turn (``tests.conftest.backend_alias``), with only the databases it needs."""
+    return require_alias(request.param)
+
+
+@pytest.fixture(params=alias_params(SHARED_ALIASES))
+def shared_alias(request):
+    """Each alias whose locks exclude other processes (``tests.conftest.shared_alias``), with only its databases."""
+    return require_alias(request.param)
+
+
+#: Aliases of a backend another alias already runs on the same server, which differ from it only in where
+#: their client comes from: redis_cache is the Redis backend on django-redis's connection. Every test runs on
+#: them, except those that wait seconds for what the server does with a lease (expiry, renewal past three
+#: ttls, max_hold, a killed holder, four processes): those run on them with DISTLOCK_FAULTS_LONG=1 (make
+#: test's time budget), and on the alias of the same backend ("redis") always.
+SAME_BACKEND_AS = {"redis_cache": "redis"}
+
+
+@pytest.fixture(params=alias_params(BACKEND_ALIASES, long_only_aliases=SAME_BACKEND_AS))
+def lease_alias(request):
+    """``backend_alias`` for the tests that take seconds: every backend once (``SAME_BACKEND_AS``)."""
+    return require_alias(request.param)
+
+
+@pytest.fixture(params=alias_params(SHARED_ALIASES, long_only_aliases=SAME_BACKEND_AS))
+def shared_lease_alias(request):
+    """``shared_alias`` for the tests that take seconds: every backend once (``SAME_BACKEND_AS``)."""
+    return require_alias(request.param)
+
+
 #: Acquisitions per process in the multi-process test; backends with sessions do one round trip more per lock.
-HAMMER_COUNT, SESSION_HAMMER_COUNT = 200, 100
+#: Half as many in ``make test`` (its time budget: still 4 processes contending for 200–400 grants), all of
+#: them with DISTLOCK_FAULTS_LONG=1.
+HAMMER_COUNT, SESSION_HAMMER_COUNT = (200, 100) if LONG else (100, 50)
+#: The environment of a holder the test kills: ZooKeeper and etcd free its lock when its session expires,
+#: so its session lasts 3 s (as in the fault suite) instead of the default 10 s.
+SHORT_SESSIONS = {"DISTLOCK_TEST_SESSION_TIMEOUT": "3"}
+
+
+def note_waits(backend_alias, monkeypatch):
+    """Return an event set once an acquire on the alias was refused and starts waiting (every backend's
+    one acquire loop calls ``_wait_for_release`` then), so a test releases behind a waiter, not before it."""
+    backend = locks[backend_alias]
+    waiting = threading.Event()
+    wait_for_release = backend._wait_for_release
+
+    def noted(attempt, remaining):
+        waiting.set()
+        return wait_for_release(attempt, remaining)
+
+    monkeypatch.setattr(backend, "_wait_for_release", noted)
+    return waiting
 
 
 def test_acquire_and_release(backend_alias, lock_name):
@@ -69,35 +124,33 @@ def test_timeout(backend_alias, lock_name):
     assert 0.5 <= waited < 2.0
 
 
-def test_blocking_acquire_wakes_on_release(backend_alias, lock_name):
+def test_blocking_acquire_wakes_on_release(backend_alias, lock_name, monkeypatch):
     holder = distlock.acquire(lock_name, ttl=30, using=backend_alias)
-    released_at = []
-
-    def release_later():
-        time.sleep(0.5)
-        released_at.append(time.monotonic())
-        holder.release()
-
-    thread = threading.Thread(target=release_later)
+    waiting = note_waits(backend_alias, monkeypatch)
+    woken = []
+    thread = threading.Thread(target=lambda: woken.append(
+        (distlock.acquire(lock_name, ttl=10, timeout=10, using=backend_alias), time.monotonic())))
     thread.start()
-    waiter = distlock.acquire(lock_name, ttl=10, timeout=10, using=backend_alias)
-    woke_at = time.monotonic()
-    thread.join()
-    assert woke_at >= released_at[0]
-    assert woke_at - released_at[0] < 0.5, "the waiter must wake soon after the release, well before the ttl"
+    wait_until(waiting.is_set, 10, "the waiter waiting for the release")
+    released_at = time.monotonic()
+    holder.release()
+    thread.join(15)
+    ((waiter, woke_at),) = woken
+    assert woke_at >= released_at
+    assert woke_at - released_at < 0.5, "the waiter must wake soon after the release, well before the ttl"
     assert waiter.token > holder.token
     waiter.release()
 
 
-def test_expired_lock_is_taken_over_with_a_higher_token(backend_alias, lock_name):
-    first = distlock.acquire(lock_name, ttl=1, using=backend_alias)
-    second = distlock.acquire(lock_name, ttl=10, timeout=15, using=backend_alias)
+def test_expired_lock_is_taken_over_with_a_higher_token(lease_alias, lock_name):
+    first = distlock.acquire(lock_name, ttl=1, using=lease_alias)
+    second = distlock.acquire(lock_name, ttl=10, timeout=15, using=lease_alias)
     assert second.token > first.token
     with pytest.raises(distlock.LockLost):
         first.check()
     assert first.release() is False, "releasing an expired lease must not delete the new holder's lock"
     with pytest.raises(distlock.LockNotAcquired):
-        distlock.acquire(lock_name, blocking=False, using=backend_alias)
+        distlock.acquire(lock_name, blocking=False, using=lease_alias)
     assert second.release() is True
 
 
@@ -109,14 +162,15 @@ def test_tokens_increase_across_names(backend_alias, lock_name):
     assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
 
 
-def test_a_waiter_gets_a_token_above_every_token_granted_while_it_waited(backend_alias, lock_name):
+def test_a_waiter_gets_a_token_above_every_token_granted_while_it_waited(backend_alias, lock_name, monkeypatch):
     """Tokens order grants alias-wide: a waiter's token is not from when it queued but from its grant."""
     holder = distlock.acquire(f"{lock_name}:x", ttl=30, using=backend_alias)
+    waiting = note_waits(backend_alias, monkeypatch)
     granted = []
     waiter = threading.Thread(target=lambda: granted.append(
         distlock.acquire(f"{lock_name}:x", ttl=30, timeout=20, using=backend_alias)))
     waiter.start()
-    time.sleep(0.5)  # the waiter has queued
+    wait_until(waiting.is_set, 10, "the waiter queueing")
     with distlock.lock(f"{lock_name}:y", ttl=30, using=backend_alias) as other:
         pass
     holder.release()
@@ -128,15 +182,15 @@ def test_a_waiter_gets_a_token_above_every_token_granted_while_it_waited(backend
     lease.release()
 
 
-def test_release_of_a_lock_owned_by_someone_else_is_refused(backend_alias, lock_name):
-    stale = distlock.acquire(lock_name, ttl=1, using=backend_alias)
-    current = distlock.acquire(lock_name, ttl=30, timeout=15, using=backend_alias)
+def test_release_of_a_lock_owned_by_someone_else_is_refused(lease_alias, lock_name):
+    stale = distlock.acquire(lock_name, ttl=1, using=lease_alias)
+    current = distlock.acquire(lock_name, ttl=30, timeout=15, using=lease_alias)
     assert stale.release() is False
-    backend = locks[backend_alias]
+    backend = locks[lease_alias]
     assert backend.release_owned(lock_name, stale.owner) is False
     assert [info.owner for info in backend.held_locks(lock_name)] == [current.owner]
     with pytest.raises(distlock.LockNotAcquired):
-        distlock.acquire(lock_name, blocking=False, using=backend_alias)
+        distlock.acquire(lock_name, blocking=False, using=lease_alias)
     assert current.release() is True
 
 
@@ -165,14 +219,14 @@ def test_signals(backend_alias, lock_name):
     assert seen == [(lock_acquired, lock_name), (lock_released, lock_name)]
 
 
-def test_auto_renew_keeps_the_lock_past_three_ttls(backend_alias, lock_name):
+def test_auto_renew_keeps_the_lock_past_three_ttls(lease_alias, lock_name):
     ttl = 1.5
-    with distlock.lock(lock_name, ttl=ttl, auto_renew=True, using=backend_alias) as lease:
+    with distlock.lock(lock_name, ttl=ttl, auto_renew=True, using=lease_alias) as lease:
         time.sleep(3 * ttl + 0.5)
         lease.check()
         assert lease.remaining() > 0
         with pytest.raises(distlock.LockNotAcquired):
-            distlock.acquire(lock_name, blocking=False, using=backend_alias)
+            distlock.acquire(lock_name, blocking=False, using=lease_alias)
     assert lease.released
 
 
@@ -186,11 +240,9 @@ def test_auto_renew_marks_the_lease_lost_when_the_lock_disappears(backend_alias,
     try:
         lease = distlock.acquire(lock_name, ttl=1.5, auto_renew=True, using=backend_alias)
         assert locks[backend_alias].release_owned(lock_name, lease.owner) is True
-        deadline = time.monotonic() + 3
         # Wait for the signal, not for ``lease.lost``: that turns true by itself once the validity
         # runs out, which a loaded machine can make happen before the renewal thread finds out.
-        while not lost and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: lost, 10, "lock_lost from the renewal thread")
         assert lease.lost
         with pytest.raises(distlock.LockLost):
             lease.check()
@@ -200,19 +252,21 @@ def test_auto_renew_marks_the_lease_lost_when_the_lock_disappears(backend_alias,
         lock_lost.disconnect(receiver)
 
 
-def test_max_hold_stops_renewal_and_releases(backend_alias, lock_name):
-    lease = distlock.acquire(lock_name, ttl=1.5, auto_renew=True, max_hold=2, using=backend_alias)
-    time.sleep(2.6)
+def test_max_hold_stops_renewal_and_releases(lease_alias, lock_name):
+    lease = distlock.acquire(lock_name, ttl=1.5, auto_renew=True, max_hold=2, using=lease_alias)
+    # The renewal thread releases, then marks the lease lost; by then the validity ran out anyway, so
+    # wait for the mark (the reason), not for ``lease.lost``.
+    wait_until(lambda: lease.lost_reason is not None, 10, "the renewal thread stopping at max_hold")
     assert lease.lost
     with pytest.raises(distlock.LockLost, match="max_hold"):
         lease.check()
-    distlock.acquire(lock_name, blocking=False, using=backend_alias).release()
+    distlock.acquire(lock_name, blocking=False, using=lease_alias).release()
 
 
-def test_four_processes_never_overlap_and_tokens_strictly_increase(shared_alias, lock_name):
-    with distlock.lock(lock_name, ttl=10, using=shared_alias) as probe:
+def test_four_processes_never_overlap_and_tokens_strictly_increase(shared_lease_alias, lock_name):
+    with distlock.lock(lock_name, ttl=10, using=shared_lease_alias) as probe:
         count = HAMMER_COUNT if probe.session_timeout is None else SESSION_HAMMER_COUNT
-    workers = [spawn("hammer", alias=shared_alias, name=lock_name, count=count, ttl=30) for _ in range(4)]
+    workers = [spawn("hammer", alias=shared_lease_alias, name=lock_name, count=count, ttl=30) for _ in range(4)]
     events = [event for worker in workers for event in read_events(worker, timeout=600)]
     assert len(events) == 4 * count
     events.sort(key=lambda event: event["enter"])
@@ -223,25 +277,25 @@ def test_four_processes_never_overlap_and_tokens_strictly_increase(shared_alias,
     assert len({event["pid"] for event in events}) == 4
 
 
-def test_holder_killed_frees_the_lock_within_ttl(shared_alias, lock_name):
+def test_holder_killed_frees_the_lock_within_ttl(shared_lease_alias, lock_name):
     ttl = 2
-    holder = spawn("hold", alias=shared_alias, name=lock_name, ttl=ttl)
+    holder = spawn("hold", env=SHORT_SESSIONS, alias=shared_lease_alias, name=lock_name, ttl=ttl)
     try:
         held = json.loads(holder.stdout.readline())
         with pytest.raises(distlock.LockNotAcquired):
-            distlock.acquire(lock_name, blocking=False, using=shared_alias)
+            distlock.acquire(lock_name, blocking=False, using=shared_lease_alias)
         holder.kill()
         killed_at = time.monotonic()
         holder.wait()
-        backend = locks[shared_alias]
-        # Session backends free the lock when the session expires rather than at the ttl.
+        backend = locks[shared_lease_alias]
+        # Session backends free the lock when the holder's session expires rather than at the ttl.
         bound = ttl + 1.5
-        lease = distlock.acquire(lock_name, ttl=10, timeout=bound + 10, using=shared_alias)
+        session_timeout = held["session_timeout"] or 0
+        lease = distlock.acquire(lock_name, ttl=10, timeout=max(bound, session_timeout) + 10, using=shared_lease_alias)
         freed_after = time.monotonic() - killed_at
         assert lease.token > held["token"]
         lease.release()
-        session_timeout = lease.session_timeout or 0
-        assert freed_after < max(bound, session_timeout + 1.5), (backend, freed_after)
+        assert freed_after < max(bound, session_timeout + 1.5), (backend, freed_after, session_timeout)
     finally:
         if holder.poll() is None:
             holder.kill()

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from urllib.parse import quote
 
@@ -27,7 +28,7 @@ from distlock.backends.etcd.transactions import acquire_txn, range_end, release_
 from distlock.handler import locks
 from distlock.signals import lock_lost
 from tests.conftest import require_alias
-from tests.servers import free_port
+from tests.servers import free_port, wait_until
 from tests.servers.etcd import ELECTION_TIMEOUT_MS, EtcdCluster
 from tests.workers import ROOT, child_env, spawn
 
@@ -350,6 +351,15 @@ def test_ttl_is_enforced_by_the_holder_process_even_if_it_never_releases(lock_na
         holder.communicate()
 
 
+def watchers_on(member):
+    """Return how many watches the member serves now (its ``etcd_debugging_mvcc_watcher_total`` gauge)."""
+    with urllib.request.urlopen(f"http://{member.address}/metrics", timeout=5) as reply:  # noqa: S310 - loopback
+        for line in reply.read().decode().splitlines():
+            if line.startswith("etcd_debugging_mvcc_watcher_total "):
+                return int(float(line.split()[1]))
+    raise AssertionError(f"{member.name} reports no etcd_debugging_mvcc_watcher_total")
+
+
 def test_a_waiter_is_woken_after_its_watch_stream_breaks(configure, cluster, restore, prefix, lock_name, caplog):
     """python3-etcd3's own watch thread dies with NameError('six') when a stream ends; ours re-reads and re-watches."""
     leader = cluster.leader()
@@ -359,13 +369,15 @@ def test_a_waiter_is_woken_after_its_watch_stream_breaks(configure, cluster, res
         etcd_waiter={"ENDPOINTS": [watched.address, leader.address, other.address]},
     )
     holder = distlock.acquire(lock_name, ttl=60, using=holder_alias)
+    there, elsewhere = watchers_on(watched), watchers_on(leader) + watchers_on(other)
     with caplog.at_level(logging.INFO, logger="distlock.backends.etcd"):
         thread, result = acquire_in_thread(lock_name, ttl=30, timeout=30, using=waiter_alias)
         wait_for(lambda: queue_length(cluster, prefix, lock_name) == 2, 10, "the waiter did not queue")
-        time.sleep(0.3)  # its watch is open on `watched`
+        wait_until(lambda: watchers_on(watched) > there, 10, f"the waiter's watch on {watched.name}")
         watched.stop()
         wait_for(lambda: f"etcd watch on {watched.address} ended" in caplog.text, 5, "the watch stream did not break")
-        time.sleep(0.5)  # the waiter watches again, through another member
+        wait_until(lambda: watchers_on(leader) + watchers_on(other) > elsewhere, 10,
+                   "the waiter's watch through another member")
         released_at = time.monotonic()
         holder.release()
         thread.join(30)
@@ -515,6 +527,9 @@ def test_after_the_leader_is_killed_acquisitions_succeed_within_seconds(
     # The lease held across the election is either still ours and excludes others, or reported lost.
     time.sleep(held.session_timeout + 1)
     if held.lost:
+        # ``lost`` turns true by itself once the session may have run out; lock_lost comes from the
+        # background thread that finds out.
+        wait_until(lambda: lost_leases, 10, "lock_lost for the lease held across the election")
         assert [lease for lease, _ in lost_leases] == [held]
         distlock.acquire(f"{lock_name}:held", ttl=10, timeout=10, using=other_alias).release()
     else:

@@ -19,6 +19,7 @@ from distlock.backends.redlock import RedlockBackend, clock_drift, remaining_val
 from distlock.checks import check_distlock_setting
 from distlock.handler import locks
 from tests.faults.proxy import FaultProxy
+from tests.servers import wait_until
 from tests.servers.redis import RedisServer
 from tests.interrupted_waits import lines_that_break
 
@@ -429,24 +430,35 @@ def test_a_real_pause_longer_than_the_ttl_gives_no_lease(masters, configure, loc
 # -- waiting -------------------------------------------------------------------------------------
 
 def test_a_waiter_is_woken_by_the_release_notification(masters, configure, lock_name, monkeypatch):
-    configure([server.url for server in masters])
+    backend = configure([server.url for server in masters])
     # Without the notification the waiter would sleep until the holder's ttl: far beyond the test.
     monkeypatch.setattr(redlock, "FALLBACK_POLL", 60)
+    listening = threading.Event()
+    wait_for_notification = backend._listener.wait
+
+    def noted(*args, **kwargs):
+        listening.set()
+        return wait_for_notification(*args, **kwargs)
+
+    monkeypatch.setattr(backend._listener, "wait", noted)
     masters[4].kill()  # notifications come from whichever masters are up
     holder = distlock.acquire(lock_name, ttl=30, using=ALIAS)
-    waiter_ready = threading.Event()
     result = {}
 
     def wait():
-        waiter_ready.set()
         lease = distlock.acquire(lock_name, ttl=10, timeout=20, using=ALIAS)
         result["woke"] = time.monotonic()
         lease.release()
 
+    def subscribed_masters():
+        return sum(read(server, "PUBSUB", "NUMSUB", backend._channel)[1] for server in masters[:4])
+
     thread = threading.Thread(target=wait)
     thread.start()
-    waiter_ready.wait()
-    time.sleep(1.5)  # the waiter has tried, subscribed, tried again and is now waiting
+    # The waiter has tried, subscribed, tried again and is now waiting for a notification; a release
+    # reaches a majority of masters, so a majority must be subscribed for one of them to tell it.
+    wait_until(lambda: listening.is_set() and subscribed_masters() >= 3, 10,
+               "the waiter waiting for a release notification")
     released = time.monotonic()
     holder.release()
     thread.join(25)

@@ -40,13 +40,16 @@ from distlock.checks import W001, W002, check_distlock_setting
 from distlock.conformance.checker import check
 from distlock.handler import locks
 from distlock.signals import lock_lost
-from tests.conftest import require_alias
+from tests.conftest import LONG, require_alias
 from tests.faults.proxy import FaultProxy
 from tests.servers import free_port, wait_until
 from tests.servers.zookeeper import TlsMaterial, ZooKeeperEnsemble, four_letter_word
 from tests.workers import ROOT, child_env, read_events, spawn
 
-pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+#: The default database alone (the metrics recorder's and the worker processes'): the locks live in ZooKeeper,
+#: and emptying PostgreSQL and the locks database after each test took 0.1–0.2 s a test. A test that needs
+#: every database says so (``distlock check``, which reads the fenced rows of each).
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default"])
 
 ALIAS = "zookeeper"
 
@@ -853,7 +856,12 @@ def test_a_grant_that_arrives_after_its_ttl_is_never_handed_out(backends, proxie
 
 # -- tries under contention ---------------------------------------------------------------------------
 
-def contend_with_tries(alias, recipe, name, ready_dir, *, processes=2, threads=20, seconds=8, hold_ms=3):
+#: Seconds each recipe is tried for: 8 with DISTLOCK_FAULTS_LONG=1, 4 in ``make test`` (its time budget;
+#: thousands of tries either way, and both recipes get the same seconds in the same run).
+TRY_SECONDS = 8 if LONG else 4
+
+
+def contend_with_tries(alias, recipe, name, ready_dir, *, processes=2, threads=20, seconds=TRY_SECONDS, hold_ms=3):
     """Run ``processes`` workers of ``threads`` threads trying ``name`` back to back, started together.
 
     Return the granted critical sections (dicts with ``owner``, ``token``, ``enter``, ``exit``, ``pid``),
@@ -898,9 +906,9 @@ def as_history(grants, lock):
 
 @pytest.mark.slow
 def test_tries_do_not_fail_each_other(alias, options, zk, tmp_path, lock_name):
-    """2 processes x 20 threads of back-to-back non-blocking tries for 8 s, 3 ms holds: granted >= 2x as
-    often as kazoo's own recipe on the same ensemble in the same run, one holder at a time. (How often
-    in absolute terms is a speed figure: bench/tries.py measures it.)
+    """2 processes x 20 threads of back-to-back non-blocking tries for ``TRY_SECONDS`` (8 s in long mode), 3 ms
+    holds: granted >= 2x as often as kazoo's own recipe on the same ensemble in the same run, one holder at a
+    time. (How often in absolute terms is a speed figure: bench/tries.py measures it.)
 
     Each try used to queue a node that made every concurrent try fail ("Tries" in the protocol module).
     A try's request is bounded by REQUEST_MINIMUM (1 s): on a loaded 2-core machine a few outlive it

@@ -18,8 +18,9 @@ from django.conf import settings
 from distlock.conformance.run import Run
 from distlock.conformance.store import FencedStore
 from tests.faults import report
+from tests.faults.proxy import ReplicationProxy
 from tests.servers.etcd import EtcdCluster
-from tests.servers.redis import RedisServer
+from tests.servers.redis import RedisServer, SentinelDeployment
 from tests.servers.zookeeper import ZooKeeperEnsemble
 
 RESULTS = pytest.StashKey[list]()
@@ -69,6 +70,11 @@ class Scale:
     @property
     def runs(self):
         return 5 if self.long else 1
+
+    @property
+    def failover_runs(self):
+        """Runs of a scenario that fails a replicated server over (a few seconds each): the Sentinel failover."""
+        return 30 if self.long else 5
 
     @property
     def clients(self):
@@ -195,3 +201,12 @@ def private_etcd(tmp_path_factory):
     cluster = EtcdCluster(tmp_path_factory.mktemp("etcd")).start()
     yield cluster
     cluster.cleanup()
+
+
+@pytest.fixture(scope="session")
+def private_sentinel(tmp_path_factory):
+    """A Redis master, its replica and three Sentinels; each node behind a proxy that can stall its replication."""
+    deployment = SentinelDeployment(tmp_path_factory.mktemp("sentinel"), down_after_ms=500,
+                                    front=lambda port: ReplicationProxy(port).start()).start()
+    yield deployment
+    deployment.cleanup()

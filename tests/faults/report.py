@@ -19,7 +19,7 @@ from distlock.conformance.report import markdown_table
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: The scenarios in the order of issue 7, then issue 21, then issues 13 and 25, with what each does: (number,
+#: The scenarios in the order of issue 7, then issue 21, then issues 13, 25 and 15, with what each does: (number,
 #: name in the results, description).
 SCENARIOS = [
     ("1", "client pause", "the holder is frozen (SIGSTOP) in its critical section for 2 x max(ttl, session "
@@ -49,8 +49,8 @@ SCENARIOS = [
                                     "server-side expiry and acquire timeouts are measured on the monotonic clock"),
     ("8", "slow network", "a proxy delays every packet 0.25 s, then black-holes the connections: acquire must "
                           "honour its timeout with BackendUnavailable, and work again once healed"),
-    ("9", "contention", "8 processes acquire one lock over and over, claim and increment a fenced row, with random "
-                        "pauses (SIGSTOP 50-200 ms)"),
+    ("9", "contention", "4 processes (8 with `--long`) acquire one lock over and over, claim and increment a fenced "
+                        "row, with random pauses (SIGSTOP 50-200 ms)"),
     ("10", "threads that come and go", "clients whose threads start and end all the time take locks on 5 names: "
                                        "executor generations (a `ThreadPoolExecutor` of 10 threads doing 40 "
                                        "acquire/release each, recreated, repeated) and a thread per request (a new "
@@ -70,6 +70,16 @@ SCENARIOS = [
                                    "server does; each child and the parent meanwhile take 20 turns on 3 shared names: "
                                    "no child hangs or fails, no error, no overlap, the held lease lives on 2.5 ttls "
                                    "past the forks (5 children and 40 turns with `--long`)"),
+    ("14", "token source went back", "the token source is set back: an etcd cluster restored from an older snapshot "
+                                     "(`etcdctl snapshot restore`, with its cluster token and with a new one), a "
+                                     "ZooKeeper ensemble's data dirs wiped, Redis restarted empty with its clock 1 h "
+                                     "behind (libfaketime), SQLite's token row deleted under a client clock 1 day "
+                                     "behind, the PostgreSQL token sequence restarted; a process that saw the higher "
+                                     "tokens must refuse every later grant and fenced write (`TokenRegression`, the "
+                                     "`distlock_token_regressions` metric, the `token_regression` signal), and a fenced "
+                                     "row must refuse the lower tokens a process started afterwards gets"),
+    ("14", "server clock stepped back", "Redis's clock steps back 1 h (libfaketime on redis-server), SQLite's client "
+                                        "clock 1 day, with their token counters intact: tokens keep rising"),
     ("", "bad input", "invalid names, ttls, timeouts, flags, aliases and tokens into acquire, lock, read_lock, "
                        "write_lock, Lease.extend, claim, save and fenced_update"),
 ]
@@ -180,6 +190,42 @@ overlaps where the scenario injects no fault that could explain them: 0; the ove
 
 {scenarios}
 
+## When a token source goes back (scenario 14)
+
+Two layers catch a token source that goes back. **The process**: every backend with safe tokens
+grants each token above every token of the alias granted before the request was sent, whatever the
+name, so a process refuses the alias for good once a grant breaks that (and, on etcd, once any KV
+reply shows a revision below one it saw or another cluster id): every later grant and every fenced
+write with one of its leases raise `TokenRegression` (a `BackendUnavailable`), the error is logged,
+`distlock_token_regressions` counts it and `token_regression` is sent. **The row**: a fenced row
+refuses any token below its own (`StaleFencingToken`). A process started after the fault has seen
+nothing higher and takes the low tokens without complaint; only rows written with a higher token
+refuse them, and a token reissued equal to one already used passes both layers. The operator
+action, whatever the backend, after restoring, wiping or resetting a token source: raise the alias's
+`TOKEN_EPOCH` by one (every later token is then above every earlier one), then restart every
+process that uses the alias (that also clears a refusal).
+
+- **etcd** (token: the revision of the granting write). A cluster restored from an older snapshot
+  reissues revisions already used. A process that saw a higher revision, or another cluster id (a
+  restore with a new `--initial-cluster-token`), refuses every later grant and fenced write until
+  it restarts; processes started after the restore are caught per row only: raise `TOKEN_EPOCH`.
+- **ZooKeeper** (token: a zxid). A wiped ensemble starts its zxids again (epoch 1) and reissues
+  zxids already used. A client that saw higher zxids is refused by the ensemble itself until the
+  ensemble passes them (its session expires meanwhile, its locks are lost), and then gets higher
+  tokens: tokens never go back within a process. Processes started after the wipe are caught per
+  row only: raise `TOKEN_EPOCH`.
+- **Redis** (token: max(counter + 1, server time in µs)). A clock stepped back with the counter
+  intact: tokens never go back. Restarted empty (no persistence, or a restore) while its clock is
+  behind the tokens issued: tokens go back; a process that saw higher ones refuses the alias, later
+  processes are caught per row only: raise `TOKEN_EPOCH`.
+- **database, SQLite** (token: max(row + 1, the clock of the process that opens the file in µs)). A
+  clock stepped back with the token row intact: tokens never go back. The row deleted (a restore, a
+  test-suite flush) while that clock is behind the tokens issued: as for Redis.
+- **database, PostgreSQL** (token: `nextval()` of `distlock_token_seq`, no clock). Never goes back
+  unless the sequence is reset (`setval`, `RESTART`, a restore of the database): then as for Redis.
+- **Redlock**: its tokens may go back by design; `FencedModel` refuses them unless
+  `allow_unsafe_tokens`, and nothing is watched.
+
 ## Where this differs from FAULTS.md, and why
 
 - **Short ttls and sessions.** Paused and killed holders hold with a ttl of 2 s, and ZooKeeper sessions
@@ -211,14 +257,26 @@ overlaps where the scenario injects no fault that could explain them: 0; the ove
   `Exception`, so it is the easier case). "Freed within its ttl" is judged once the client process has
   exited: every name free within ttl + 1 s (+ the session timeout on ZooKeeper and etcd); names this client
   still held ttl + 1 s after the storm while it lived are reported in the notes.
+- **Token-source regression** (S20) is judged per process and per row, in one run each (the
+  scenarios are deterministic), outside the client processes of the other scenarios: the restored,
+  wiped or reset server and the clients on both sides of the fault are driven by the test itself. The
+  metric it asserts is the process's Prometheus counter. libfaketime runs redis-server only with
+  glibc's `libc_malloc_debug.so.0` preloaded before it (Debian's redis-server allocates with jemalloc,
+  which reads the clock while libfaketime 0.9.10 initialises, and the start aborts).
 - **Not run here:** P4 (linearizability of the lock history against a mutex model), server clock jumps
-  (S12), token-source regression (S20), the Celery single-execution canary (S25) and the 10-minute
-  random nemesis of `--long` in FAULTS.md: `--long` repeats the scenarios above instead (20 runs of each
-  canary, 5 of the pause, crash, restart and session scenarios, 100 acquisitions per contending process;
-  the clock, network, quorum-loss and suspended-connection scenarios run once either way).
+  (S12; scenario 14 only steps Redis's clock back), the Celery single-execution canary (S25) and the
+  10-minute random nemesis of `--long` in FAULTS.md: `--long` repeats the scenarios above instead (20
+  runs of each canary, 5 of the pause, crash, restart and session scenarios, 100 acquisitions per
+  contending process; the clock, network, quorum-loss, suspended-connection and token-source scenarios
+  run once either way).
 
 ## Bugs these scenarios found, now fixed
 
+- A token source that went back went unseen: after an etcd restore from an older snapshot, a Redis
+  restart without its counter behind its clock, a lost SQLite token row or a restarted PostgreSQL
+  sequence, the very process that had been granted higher tokens took the lower ones, and its leases
+  granted before kept writing to fenced rows. Such a process now refuses the alias
+  (`distlock/backends/token_order.py`; etcd also checks every KV reply's revision and cluster id).
 - `ttl`, `timeout` and `max_hold` had no upper bound: a ttl of 1e12 s failed on SQLite, Redis and
   Redlock with misleading errors, and a timeout of 1e12 s raised `OverflowError` on ZooKeeper. They
   now raise `ValueError` above 1e9 s (about 31 years) on every backend (`distlock/validation.py`).

@@ -3,6 +3,8 @@
 import time
 
 from distlock.conformance import scenarios
+from distlock.conformance.history import load
+from tests.servers import wait_until as poll_until
 
 #: Why a scenario that ends the holder's lease on the server side expects overlap.
 LOST_LEASE_OVERLAP = "the old holder stays in its critical section until it checks its lease"
@@ -14,7 +16,7 @@ def restart_during_contention(run, backend, cluster, scale, *, member, scenario)
         time.sleep(1.5)
         victim = member(cluster)
         victim.kill()
-        run.nemesis.record("fault", what="kill member", target=victim.name)
+        run.nemesis.record("fault", what="kill member", target=victim.name, ends_leases=True)
         time.sleep(3)
         victim.start()
         run.nemesis.record("fault", what="restart member", target=victim.name)
@@ -38,3 +40,13 @@ def write_stale_and_leave(holder, name, row):
     assert outcome == "stale", f"the old holder's write was {outcome}, not refused as stale"
     holder.call("exit", name=name)
     holder.call("release", name=name)
+
+
+def wait_for_record(run, client, op, name):
+    """Return once ``client``'s history holds an ``op`` event of lock ``name``: "lease_state" once its
+    ``watch`` began (a fault after that is watched), "lost" once its ``lock_lost`` receiver ran."""
+    def recorded():
+        return any(event["proc"] == client.proc and event["op"] == op and event.get("lock") == name
+                   for event in load(run.directory))
+
+    poll_until(recorded, 30, f"{client.proc} recording {op} of {name}")

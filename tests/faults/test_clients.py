@@ -13,6 +13,10 @@ from tests.faults.targets import SESSION_TIMEOUT, TARGETS
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=DATABASES)]
 
 TTL = 2.0
+#: Clients x acquisitions of the contention scenario in ``make test`` (its time budget): 4 processes x 12 contended
+#: grants, each claimed and written, under the same short pauses; ``--long`` runs the suite's ``scale.clients`` x
+#: ``scale.iterations`` (8 x 100).
+CONTENTION_CLIENTS, CONTENTION_ITERATIONS = 4, 12
 
 
 def expiry(key):
@@ -48,9 +52,11 @@ def test_killed_holder_is_replaced_within_its_expiry(key, fault_run, safety, sca
 @pytest.mark.parametrize("key", list(TARGETS))
 def test_contention_with_short_pauses(key, fault_run, safety, scale):
     target = TARGETS[key]
+    clients, iterations = ((scale.clients, scale.iterations) if scale.long
+                           else (CONTENTION_CLIENTS, CONTENTION_ITERATIONS))
     run = fault_run({"under_test": target.shared_entry()})
-    result = safety.record(scenarios.contention(run, target.label, clients=scale.clients, iterations=scale.iterations))
+    result = safety.record(scenarios.contention(run, target.label, clients=clients, iterations=iterations))
 
     assert result.ok, result.violations
-    assert result.acquisitions == scale.clients * scale.iterations
+    assert result.acquisitions == clients * iterations
     assert result.overlaps == 0

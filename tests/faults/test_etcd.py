@@ -14,7 +14,7 @@ from distlock.conformance import scenarios
 from distlock.conformance.run import RECOVERY_SLACK
 from tests.faults.conftest import DATABASES
 from tests.faults.server_scenarios import (LOST_LEASE_OVERLAP, enter_new_lock, restart_during_contention,
-                                           write_stale_and_leave)
+                                           wait_for_record, write_stale_and_leave)
 from tests.faults.targets import SESSION_TIMEOUT, TARGETS
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=DATABASES)]
@@ -55,7 +55,7 @@ def test_cluster_paused_past_the_lease_ttl(cluster, fault_run, safety, scale):
     for _ in range(scale.runs):
         name, row, held = enter_new_lock(run, holder, ttl=TTL, timeout=10)
         watching = holder.send("watch", name=name, seconds=SESSION_TIMEOUT + 6)
-        time.sleep(0.2)
+        wait_for_record(run, holder, "lease_state", name)
         paused = run.nemesis.record("fault", what="pause every member", owner=held["owner"], lock=name)
         for member in cluster.members:
             member.pause()

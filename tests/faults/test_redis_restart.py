@@ -44,8 +44,9 @@ def test_restart_without_persistence_double_grants_but_fencing_holds(private_red
         take_turn(other, name, row)
         write_stale_and_leave(holder, name, row)
     run.close()
+    forgot = "the restarted server forgot the lock"
     result = safety.record(run.judge("redis restart without persistence", "Redis", scale.canary_runs,
-                                     expect_overlap="the restarted server forgot the lock"))
+                                     expect_overlap=forgot, forgets_grants=forgot))
     assert result.ok, result.violations
     assert result.overlaps >= scale.canary_runs, "canary: the forgotten lock is granted twice"
     assert result.stale_accepted == result.false_rejections == 0

@@ -12,14 +12,17 @@ from contextlib import ExitStack
 
 import pytest
 from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
 
+from distlock.backends.zookeeper.protocol import encode_name
 from distlock.conformance import scenarios
 from distlock.conformance.run import RECOVERY_SLACK
 from tests.faults.conftest import DATABASES
 from tests.faults.proxy import FaultProxy
 from tests.faults.server_scenarios import (LOST_LEASE_OVERLAP, enter_new_lock, restart_during_contention,
-                                           write_stale_and_leave)
+                                           wait_for_record, write_stale_and_leave)
 from tests.faults.targets import SESSION_TIMEOUT, TARGETS
+from tests.servers import wait_until as poll_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=DATABASES)]
 
@@ -41,6 +44,26 @@ def expire_session(hosts, session_id, password):
     intruder.close()
 
 
+def wait_for_queue(hosts, key_prefix, name, length):
+    """Return once lock ``name`` has ``length`` nodes queued on the ensemble: a waiter sent off has queued."""
+    parent = f"{key_prefix}/{encode_name(name)}"
+    zk = KazooClient(hosts=hosts)
+    zk.start(timeout=15)
+
+    def queued():
+        try:
+            zk.sync(parent)
+            return len(zk.get_children(parent))
+        except NoNodeError:
+            return 0
+
+    try:
+        poll_until(lambda: queued() >= length, 30, f"{length} nodes queued for {name}")
+    finally:
+        zk.stop()
+        zk.close()
+
+
 def wait_for_state(client, name, state, within):
     """Return True once the client's lease on ``name`` is in ``state``, polling for ``within`` seconds."""
     deadline = time.monotonic() + within
@@ -53,12 +76,13 @@ def wait_for_state(client, name, state, within):
 
 def test_expired_session_hands_the_lock_over_and_the_store_refuses_the_old_holder(ensemble, fault_run, safety,
                                                                                   scale):
-    run = fault_run({"zookeeper": TARGETS["zookeeper"].entry(hosts=ensemble.hosts)})
+    entry = TARGETS["zookeeper"].entry(hosts=ensemble.hosts)
+    run = fault_run({"zookeeper": entry})
     holder, waiter = run.spawn("holder", "waiter")
     for _ in range(scale.runs):
         name, row, held = enter_new_lock(run, holder, ttl=TTL, timeout=10)
         waiting = waiter.send("acquire", name=name, ttl=TTL, timeout=60)
-        time.sleep(0.3)
+        wait_for_queue(ensemble.hosts, entry["OPTIONS"]["KEY_PREFIX"], name, 2)
         session = holder.call("probe", function="tests.faults.probes.zookeeper_session")
         run.nemesis.record("fault", what="expire session", target=holder.proc, owner=held["owner"], lock=name)
         expire_session(ensemble.hosts, session["session_id"], bytes.fromhex(session["password"]))
@@ -68,6 +92,8 @@ def test_expired_session_hands_the_lock_over_and_the_store_refuses_the_old_holde
         # Until its client hears of the expiry, the old holder's lease is at least suspended: no write starts.
         assert holder.call("check", name=name)["state"] != "valid", "the old holder must not trust its lease"
         assert wait_for_state(holder, name, "lost", within=SESSION_TIMEOUT + RECOVERY_SLACK)
+        # check() may say lost (its session ran out) before the state thread sends lock_lost, counted below.
+        wait_for_record(run, holder, "lost", name)
         write_stale_and_leave(holder, name, row)
     run.close()
     result = safety.record(run.judge("zookeeper: session expired", "ZooKeeper", scale.runs,
@@ -100,7 +126,8 @@ def test_suspended_connection_comes_back_with_the_same_lease(ensemble, fault_run
         name, row, held = enter_new_lock(run, holder, ttl=TTL, timeout=10)
         watching = holder.send("watch", name=name, seconds=6)
         waiting = waiter.send("acquire", name=name, ttl=TTL, timeout=60)
-        time.sleep(0.5)
+        wait_for_record(run, holder, "lease_state", name)
+        wait_for_queue(ensemble.hosts, options["KEY_PREFIX"], name, 2)
         run.nemesis.record("fault", what="cut and black-hole the holder's connections")
         for proxy in proxies:
             proxy.blackhole()

@@ -66,12 +66,16 @@ class ManagedProcess:
         """Extra ``subprocess.Popen`` arguments (a server that refuses to run as root sets ``user=``)."""
         return {}
 
+    def exec_prefix(self):
+        """What runs before ``command()``: nothing, or ``ip netns exec`` for a member on a test host."""
+        return []
+
     def start(self):
         self.prepare()
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            [*self.exec_prefix(), *self.command()], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             cwd=self.workdir, env=self.env(), start_new_session=True, **self.popen_kwargs(),
         )
         self._log = log
@@ -156,16 +160,25 @@ class ManagedProcess:
 
 
 class ClusterMember(ManagedProcess):
-    """One member of a ``Cluster``: a server process that answers clients on 127.0.0.1:``client_port``."""
+    """One member of a ``Cluster``: a server process that answers clients on ``ip``:``client_port``.
 
-    def __init__(self, name, client_port, workdir):
+    ``host``: a ``tests.servers.netns.TestHost`` the member runs in (its own address, links a test can
+    cut), or None for loopback.
+    """
+
+    def __init__(self, name, client_port, workdir, host=None):
         self.client_port = client_port
+        self.host = host
+        self.ip = host.address if host else "127.0.0.1"
         super().__init__(name, workdir)
+
+    def exec_prefix(self):
+        return self.host.exec_prefix() if self.host else []
 
     @property
     def address(self):
-        """The client address, "127.0.0.1:port", as the backends' host lists take it."""
-        return f"127.0.0.1:{self.client_port}"
+        """The client address, "ip:port", as the backends' host lists take it."""
+        return f"{self.ip}:{self.client_port}"
 
     @property
     def healthy(self):

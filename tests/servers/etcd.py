@@ -82,8 +82,8 @@ def make_pki(directory):
                    harness_key=directory / "harness.key")
 
 
-def gateway_call(port, path, body=None, timeout=1.0, tls=None, token=None):
-    """POST ``body`` (GET if None) to etcd's JSON gateway on 127.0.0.1:port; return the JSON reply or None.
+def gateway_call(port, path, body=None, timeout=1.0, tls=None, token=None, ip="127.0.0.1"):
+    """POST ``body`` (GET if None) to etcd's JSON gateway on ip:port; return the JSON reply or None.
 
     ``tls``: the ``TestPKI`` of a TLS cluster (https, client certificate); ``token``: an auth token.
     """
@@ -92,7 +92,7 @@ def gateway_call(port, path, body=None, timeout=1.0, tls=None, token=None):
     if token:
         headers["Authorization"] = token
     scheme = "https" if tls else "http"
-    request = urllib.request.Request(f"{scheme}://127.0.0.1:{port}{path}", data=data, headers=headers)
+    request = urllib.request.Request(f"{scheme}://{ip}:{port}{path}", data=data, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout,  # noqa: S310 - loopback only
                                     context=tls.client_context() if tls else None) as reply:
@@ -109,25 +109,25 @@ class EtcdMember(ClusterMember):
     one at a time by the fault suite.
     """
 
-    def __init__(self, name, client_port, peer_port, initial_cluster, cluster_token, workdir, pki=None):
+    def __init__(self, name, client_port, peer_port, initial_cluster, cluster_token, workdir, pki=None, host=None):
         self.member_name = name
         self.peer_port = peer_port
-        #: "name=http://127.0.0.1:peer,..." for the whole cluster, shared by every member.
+        #: "name=http://ip:peer,..." for the whole cluster, shared by every member.
         self.initial_cluster = initial_cluster
         self.cluster_token = cluster_token
         #: A ``TestPKI``: the client port speaks TLS and requires client certificates signed by its CA.
         self.pki = pki
         #: The auth token the harness's gateway calls carry once auth is enabled (``EtcdCluster.enable_auth``).
         self.token = None
-        super().__init__(f"etcd-{name}", client_port, workdir)
+        super().__init__(f"etcd-{name}", client_port, workdir, host)
         self.data_dir = self.workdir / "data"
 
     def gateway(self, path, body=None, timeout=1.0):
-        return gateway_call(self.client_port, path, body, timeout, tls=self.pki, token=self.token)
+        return gateway_call(self.client_port, path, body, timeout, tls=self.pki, token=self.token, ip=self.ip)
 
     def command(self):
-        client_url = f"{'https' if self.pki else 'http'}://127.0.0.1:{self.client_port}"
-        peer_url = f"http://127.0.0.1:{self.peer_port}"
+        client_url = f"{'https' if self.pki else 'http'}://{self.ip}:{self.client_port}"
+        peer_url = f"http://{self.ip}:{self.peer_port}"
         tls = [] if self.pki is None else [
             "--cert-file", str(self.pki.server_cert), "--key-file", str(self.pki.server_key),
             "--trusted-ca-file", str(self.pki.ca), "--client-cert-auth",
@@ -147,7 +147,7 @@ class EtcdMember(ClusterMember):
         ]
 
     def ready(self):
-        return port_open(self.peer_port)
+        return port_open(self.peer_port, host=self.ip)
 
     @property
     def healthy(self):
@@ -169,25 +169,36 @@ class EtcdMember(ClusterMember):
 
 
 class EtcdCluster(Cluster):
-    """Three (or ``size``) members on free loopback ports, each in its own directory under ``workdir``."""
+    """Three (or ``size``) members, each in its own directory under ``workdir``.
+
+    On free loopback ports, or, given a ``tests.servers.netns.TestNetwork``, each member on a test host
+    of its own ("et1", "et2"...) with etcd's usual ports: links between members can then be cut.
+    """
 
     service = "etcd"
 
-    def __init__(self, workdir, size=3, tls=False):
+    def __init__(self, workdir, size=3, tls=False, network=None):
         """``tls``: serve clients over TLS with client certificates required, from a CA made in ``workdir``."""
         self.workdir = Path(workdir)
         self.pki = make_pki(self.workdir / "pki") if tls else None
-        ports = [(free_port(), free_port()) for _ in range(size)]
-        initial_cluster = ",".join(f"m{i}=http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports, 1))
+        if network is None:
+            hosts = [None] * size
+            ports = [(free_port(), free_port()) for _ in range(size)]
+        else:
+            hosts = [network.add_host(f"et{i}") for i in range(1, size + 1)]
+            ports = [(2379, 2380)] * size
+        ips = [host.address if host else "127.0.0.1" for host in hosts]
+        initial_cluster = ",".join(f"m{i}=http://{ip}:{peer}" for i, (ip, (_, peer)) in enumerate(zip(ips, ports), 1))
         token = f"distlock-{uuid.uuid4().hex[:8]}"
         self.members = [
-            EtcdMember(f"m{i}", client, peer, initial_cluster, token, self.workdir / f"member-{i}", pki=self.pki)
-            for i, (client, peer) in enumerate(ports, 1)
+            EtcdMember(f"m{i}", client, peer, initial_cluster, token, self.workdir / f"member-{i}", pki=self.pki,
+                       host=host)
+            for i, (host, (client, peer)) in enumerate(zip(hosts, ports), 1)
         ]
 
     @property
     def endpoints(self):
-        """The ``ENDPOINTS`` option: "127.0.0.1:c1,127.0.0.1:c2,127.0.0.1:c3" (https://... with TLS)."""
+        """The ``ENDPOINTS`` option: "ip1:c1,ip2:c2,ip3:c3" (https://... with TLS)."""
         scheme = "https://" if self.pki else ""
         return ",".join(scheme + member.address for member in self.members)
 

@@ -34,10 +34,10 @@ log4j.appender.CONSOLE.layout.ConversionPattern=%d{ISO8601} %-5p [%t:%C{1}@%L] -
 """
 
 
-def four_letter_word(port, command, timeout=2.0):
-    """Send a four-letter word (``ruok``, ``srvr``, ``wchp``...) to 127.0.0.1:port; return the reply, "" if none."""
+def four_letter_word(port, command, timeout=2.0, ip="127.0.0.1"):
+    """Send a four-letter word (``ruok``, ``srvr``, ``wchp``...) to ip:port; return the reply, "" if none."""
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        with socket.create_connection((ip, port), timeout=timeout) as sock:
             sock.sendall(command.encode())
             chunks = []
             while chunk := sock.recv(65536):
@@ -113,14 +113,14 @@ class ZooKeeperMember(ClusterMember):
     members one by one and wait for the quorum separately with ``ZooKeeperEnsemble.wait_healthy()``.
     """
 
-    def __init__(self, myid, client_port, servers, workdir, *, tls=None):
+    def __init__(self, myid, client_port, servers, workdir, *, tls=None, host=None):
         self.myid = myid
         #: A ``TlsMaterial``: the member also serves TLS clients on ``secure_port``.
         self.tls = tls
         self.secure_port = free_port() if tls else None
-        #: "server.N=127.0.0.1:peer:election" lines of the whole ensemble, shared by every member.
+        #: "server.N=ip:peer:election" lines of the whole ensemble, shared by every member.
         self.servers = servers
-        super().__init__(f"zookeeper-{myid}", client_port, workdir)
+        super().__init__(f"zookeeper-{myid}", client_port, workdir, host)
         self.conf_dir = self.workdir / "conf"
         self.data_dir = self.workdir / "data"
 
@@ -136,7 +136,7 @@ class ZooKeeperMember(ClusterMember):
             "syncLimit=10",
             f"dataDir={self.data_dir}",
             f"clientPort={self.client_port}",
-            "clientPortAddress=127.0.0.1",
+            f"clientPortAddress={self.ip}",
             "maxClientCnxns=0",
             "4lw.commands.whitelist=*",
             "admin.enableServer=false",
@@ -160,7 +160,7 @@ class ZooKeeperMember(ClusterMember):
                 str(self.conf_dir / "zoo.cfg")]
 
     def ready(self):
-        return four_letter_word(self.client_port, "ruok", timeout=0.5) == "imok"
+        return four_letter_word(self.client_port, "ruok", timeout=0.5, ip=self.ip) == "imok"
 
     @property
     def secure_address(self):
@@ -169,7 +169,7 @@ class ZooKeeperMember(ClusterMember):
 
     def command_reply(self, word):
         """Return this member's reply to a four-letter word ("" if it does not answer)."""
-        return four_letter_word(self.client_port, word)
+        return four_letter_word(self.client_port, word, ip=self.ip)
 
     @property
     def mode(self):
@@ -189,22 +189,32 @@ class ZooKeeperMember(ClusterMember):
 
 
 class ZooKeeperEnsemble(Cluster):
-    """Three (or ``size``) members on free loopback ports, each in its own directory under ``workdir``."""
+    """Three (or ``size``) members, each in its own directory under ``workdir``.
+
+    On free loopback ports, or, given a ``tests.servers.netns.TestNetwork``, each member on a test host
+    of its own ("zk1", "zk2"...) with ZooKeeper's usual ports: links between members can then be cut.
+    """
 
     service = "ZooKeeper"
 
-    def __init__(self, workdir, size=3, *, tls=None):
+    def __init__(self, workdir, size=3, *, tls=None, network=None):
         self.workdir = Path(workdir)
-        ports = [(free_port(), free_port(), free_port()) for _ in range(size)]
-        servers = [f"server.{i}=127.0.0.1:{peer}:{election}" for i, (_, peer, election) in enumerate(ports, 1)]
+        if network is None:
+            hosts = [None] * size
+            ports = [(free_port(), free_port(), free_port()) for _ in range(size)]
+        else:
+            hosts = [network.add_host(f"zk{i}") for i in range(1, size + 1)]
+            ports = [(2181, 2888, 3888)] * size
+        servers = [f"server.{i}={host.address if host else '127.0.0.1'}:{peer}:{election}"
+                   for i, (host, (_, peer, election)) in enumerate(zip(hosts, ports), 1)]
         self.members = [
-            ZooKeeperMember(i, client, servers, self.workdir / f"member-{i}", tls=tls)
-            for i, (client, _, _) in enumerate(ports, 1)
+            ZooKeeperMember(i, client, servers, self.workdir / f"member-{i}", tls=tls, host=host)
+            for i, (host, (client, _, _)) in enumerate(zip(hosts, ports), 1)
         ]
 
     @property
     def hosts(self):
-        """The connection string for kazoo: "127.0.0.1:p1,127.0.0.1:p2,127.0.0.1:p3"."""
+        """The connection string for kazoo: "ip1:p1,ip2:p2,ip3:p3"."""
         return ",".join(member.address for member in self.members)
 
     @property

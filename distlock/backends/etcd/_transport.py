@@ -213,12 +213,16 @@ class Connection:
     their next request; the parent's session lease and locks are untouched.
     """
 
-    def __init__(self, alias, addresses, timeout, security=None):
+    def __init__(self, alias, addresses, timeout, security=None, order=None):
         self.alias = alias
         self.addresses = addresses
         #: REQUEST_TIMEOUT: spread over the endpoints a request tries, and the longest wait on a watch.
         self.timeout = timeout
         self.security = security or Security()
+        #: The alias's ``TokenOrder``, which every KV reply's header is checked against (``_kv``); None: unchecked.
+        self.order = order
+        #: The cluster id the first KV reply showed; another one later means another cluster.
+        self._cluster_id = None
         self._channels = None
         self._current = 0
         self._reset_state()
@@ -336,16 +340,46 @@ class Connection:
                 pause = min(pause * 2, 0.5)
 
     def txn(self, request, deadline):
-        return self.call(lambda channel, timeout, metadata: channel.kv.Txn(
+        return self._kv(lambda channel, timeout, metadata: channel.kv.Txn(
             request, timeout=timeout, metadata=metadata), deadline)
 
     def range(self, request, deadline):
-        return self.call(lambda channel, timeout, metadata: channel.kv.Range(
+        return self._kv(lambda channel, timeout, metadata: channel.kv.Range(
             request, timeout=timeout, metadata=metadata), deadline)
 
     def delete(self, key, deadline):
-        return self.call(lambda channel, timeout, metadata: channel.kv.DeleteRange(
+        return self._kv(lambda channel, timeout, metadata: channel.kv.DeleteRange(
             etcdrpc.DeleteRangeRequest(key=key), timeout=timeout, metadata=metadata), deadline)
+
+    def _kv(self, invoke, deadline):
+        """``call`` for a KV request, whose reply header is checked against the alias's ``TokenOrder``.
+
+        Every KV request here is linearizable (writes, transactions, and ranges without
+        ``serializable``), so its reply shows a revision at least as high as any reply received
+        before it was sent, from the same cluster id. A lower revision means the cluster went back
+        (restored from an older snapshot); another cluster id, a cluster rebuilt or restored with a
+        new ``--initial-cluster-token``, whose revisions tell nothing about those seen before. Either
+        makes the process refuse the alias (the reply itself is returned: releases still work).
+        Keepalive and watch replies are not checked: a follower fills their header from its own
+        store, which may lag.
+        """
+        order = self.order
+        if order is None:
+            return self.call(invoke, deadline)
+        floor = order.highest
+        response = self.call(invoke, deadline)
+        header = response.header
+        if header.cluster_id != self._cluster_id:
+            if self._cluster_id is None:
+                self._cluster_id = header.cluster_id
+            else:
+                order.went_back(f"the etcd cluster id changed from {self._cluster_id:x} to {header.cluster_id:x} "
+                                "(a new cluster, or one restored from a snapshot with a new --initial-cluster-token)")
+        if header.revision < floor:
+            order.went_back(f"the etcd cluster went back to revision {header.revision} from {floor} (restored from a "
+                            "snapshot?)")
+        order.saw(header.revision)
+        return response
 
     def grant_lease(self, ttl, deadline):
         # Not idempotent: a grant whose answer is lost leaves a lease nobody keeps alive; it expires after ttl.
