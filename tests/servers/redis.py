@@ -3,6 +3,7 @@ Sentinel deployment (a master, its replica and three Sentinels)."""
 
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from urllib.parse import quote, urlencode
 
@@ -201,6 +202,12 @@ class SentinelServer(ManagedProcess):
         address = self.ask("GET-MASTER-ADDR-BY-NAME")
         return None if address is None else int(address[1])
 
+    def master_flags(self):
+        """Return the flags this Sentinel gives the service's master: {"master"} unless it thinks it down or fails it over."""
+        fields = self.ask("MASTER")
+        fields = fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2]))
+        return set(fields["flags"].split(","))
+
     def replicas(self):
         """Return what this Sentinel knows of the service's replicas: one dict of its fields per replica.
 
@@ -288,18 +295,35 @@ class SentinelDeployment:
         self.wait_settled(timeout)
 
     def wait_settled(self, timeout=60):
-        """Wait until every Sentinel names one master, sees its replica up and in sync, and knows the other two."""
-        def settled():
+        """Wait until the deployment is settled and stays so for twice ``down_after_ms``.
+
+        Settled: every Sentinel names one master, with no failover under way or wanted, sees its
+        replica up and in sync, and knows the other two; the replica says it is one. It must stay so,
+        because right after a failover a Sentinel that could not reach the promoted master for
+        ``down_after_ms`` (its connections were killed by the promotion) starts another failover.
+        """
+        settled_since = []
+
+        def settled_now():
             ports = {sentinel.named_master_port() for sentinel in self.sentinels}
-            if ports != {self.master().address_port}:
+            if ports != {self.master().address_port} or not self._synced(self.replica()):
                 return False
             for sentinel in self.sentinels:
+                if sentinel.master_flags() != {"master"}:
+                    return False
                 if len(sentinel.ask("SENTINELS")) != len(self.sentinels) - 1:
                     return False
                 if not any(int(replica["port"]) == self.replica().address_port and "s_down" not in replica["flags"]
                            and replica["master-link-status"] == "ok" for replica in sentinel.replicas()):
                     return False
             return True
+
+        def settled():
+            if not settled_now():
+                settled_since.clear()
+                return False
+            settled_since[:1] = settled_since[:1] or [time.monotonic()]
+            return time.monotonic() - settled_since[0] >= 2 * self.down_after_ms / 1000
 
         try:
             wait_until(settled, timeout, "the Sentinel deployment")
@@ -332,9 +356,16 @@ class SentinelDeployment:
         return next(node for node in self.nodes if node is not master)
 
     def replica_behind(self):
-        """Return how many bytes of the master's replication stream the replica has not processed (``INFO``)."""
+        """Return how many bytes of the master's replication stream the replica has not processed (``INFO``).
+
+        None while the replica has no link to the master: a restarted node, or one a Sentinel has just
+        told again whom to replicate, reports no offset until it has synced.
+        """
         master_offset = self.master().replication()["master_repl_offset"]
-        return master_offset - self.replica().replication()["slave_repl_offset"]
+        replica = self.replica().replication()
+        if replica.get("master_link_status") != "up" or "slave_repl_offset" not in replica:
+            return None
+        return master_offset - replica["slave_repl_offset"]
 
     def fail_over(self, timeout=30):
         """Kill the master (SIGKILL) and return the replica once every Sentinel names it the master and it says so."""
