@@ -29,8 +29,9 @@ bootstrap-test:
 	scripts/bootstrap test
 
 # Long randomized runs under a random nemesis on every backend (not part of `make test`):
-# make soak MINUTES=120 [SEED=7] [BACKENDS=zookeeper,etcd] [SOAK_ARGS='--replay 12']
+# make soak MINUTES=120 [RUNS=300] [JOBS=2] [SEED=7] [BACKENDS=zookeeper,etcd] [SOAK_ARGS='--replay 12']
 MINUTES ?= 10
 soak: bootstrap-test
 	$(PYTHON) -m tests.servers --servers postgres -- $(PYTHON) -m tests.faults.soak --minutes $(MINUTES) \
-		$(if $(SEED),--seed $(SEED)) $(if $(BACKENDS),--backends $(BACKENDS)) --report soak-report.md $(SOAK_ARGS)
+		$(if $(RUNS),--runs $(RUNS)) $(if $(JOBS),--jobs $(JOBS)) $(if $(SEED),--seed $(SEED)) \
+		$(if $(BACKENDS),--backends $(BACKENDS)) --report docs/SOAK.md $(SOAK_ARGS)

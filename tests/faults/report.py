@@ -190,6 +190,10 @@ overlaps where the scenario injects no fault that could explain them: 0; the ove
 
 {scenarios}
 
+## Long randomized runs (`make soak`)
+
+{soak}
+
 ## When a token source goes back (scenario 14)
 
 Two layers catch a token source that goes back. **The process**: every backend with safe tokens
@@ -291,8 +295,21 @@ Against your own deployment (non-destructive: contention, a paused and a killed 
 input): `python manage.py distlock verify --using ALIAS`. The whole suite: `make test`
 (`DISTLOCK_FAULTS_LONG=1 make test` for the long runs), or
 `python -m tests.servers -- python -m pytest tests/faults [--long]`; this file:
-`python -m tests.faults.report [--long]`.
+`python -m tests.faults.report [--long]`. The soak: `make soak MINUTES=120 RUNS=300 JOBS=2`, which
+writes docs/SOAK.md; this file includes it.
 """
+
+#: The soak's report (``make soak`` writes it), included in this file's section of long randomized runs.
+SOAK_REPORT = ROOT / "docs" / "SOAK.md"
+
+
+def soak_section(path=SOAK_REPORT):
+    """The soak report at ``path`` without its title, or how to make one if there is none."""
+    if not path.exists():
+        return "No soak report yet (docs/SOAK.md): `make soak MINUTES=120 RUNS=300 JOBS=2` writes one."
+    lines = path.read_text(encoding="utf-8").splitlines()
+    body = lines[1:] if lines and lines[0].startswith("# ") else lines
+    return "\n".join(body).strip()
 
 
 def _machine():
@@ -311,7 +328,7 @@ def write(path, results, *, failed, started, long):
         date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), mode=" --long" if long else "",
         machine=_machine(), minutes=f"{minutes:.1f} min", table=table(results), rates=rates(results),
         interrupts=interrupt_table(results),
-        scenarios=scenarios,
+        scenarios=scenarios, soak=soak_section(),
         failed="none." if not failed else "\n\n" + "\n".join(f"- `{test}`" for test in failed),
     )
     Path(path).write_text(text, encoding="utf-8")

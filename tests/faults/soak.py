@@ -1,6 +1,6 @@
 """Long randomized runs: generated workloads under a random nemesis, on every backend, every history checked.
 
-    make soak MINUTES=120 [SEED=7] [BACKENDS=zookeeper,etcd]
+    make soak MINUTES=120 [RUNS=300] [JOBS=2] [SEED=7] [BACKENDS=zookeeper,etcd]
     python -m tests.servers -- python -m tests.faults.soak --minutes 120 --seed 7 --report soak.md --keep failed
 
 One *run* is one episode on one backend: a fresh lock name and fenced counter row; the clients loop
@@ -14,15 +14,23 @@ run again with the same backend, fault, timings and client seeds (the machine's 
 A run with a violation keeps its folder under ``--keep``: histories, nemesis schedule, store commits,
 server logs, and ``replay.txt``, the command that replays it. Needs root for the test network of the
 ZooKeeper and etcd members (their faults are skipped, and said so, where namespaces are refused).
+
+``--minutes`` and ``--runs`` (per backend) together go on until both are reached. ``--jobs N`` runs
+the backends in N lanes side by side, each a soak process of its own (its own servers, test network,
+databases and seed, ``--seed`` + lane), and merges their tallies into one report: the cores a lane
+leaves idle while its clients wait out ttls and faults run another lane's runs.
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import platform
 import random
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,7 +57,7 @@ from tests.servers.netns import TestNetwork, namespaces_refused  # noqa: E402
 from tests.servers.redis import RedisServer  # noqa: E402
 from tests.servers.zookeeper import ZooKeeperEnsemble  # noqa: E402
 
-__all__ = ["BACKENDS", "BROKEN", "RUNS_PER_BLOCK", "main", "upper_bound"]
+__all__ = ["BACKENDS", "BROKEN", "RUNS_PER_BLOCK", "lanes", "main", "upper_bound"]
 
 #: The backends in the order runs go round them, by the module name of their ``BACKEND``.
 BACKENDS = ["database", "redis", "redlock", "zookeeper", "etcd"]
@@ -175,10 +183,10 @@ class Soak:
         return self.args.backends[(number // RUNS_PER_BLOCK) % len(self.args.backends)]
 
     def wanted(self, key):
-        """True while ``key`` needs more runs: ``--runs`` per backend, or until ``--minutes`` are up."""
-        if self.args.runs is not None:
-            return self.done[key] < self.args.runs
-        return time.monotonic() - self.started < self.args.minutes * 60
+        """True while ``key`` needs more runs: until ``--minutes`` are up and it has ``--runs``, of those given."""
+        minutes_left = self.args.minutes is not None and time.monotonic() - self.started < self.args.minutes * 60
+        runs_left = self.args.runs is not None and self.done[key] < self.args.runs
+        return minutes_left or runs_left
 
     def go(self):
         if self.args.replay is not None:
@@ -277,37 +285,99 @@ class Soak:
             f"make soak SOAK_ARGS='--seed {self.args.seed} --replay {number} --backends {','.join(self.args.backends)}'\n")
 
     def report(self):
-        minutes = (time.monotonic() - self.started) / 60
-        lines = [
-            "# Soak",
-            "",
-            f"`python -m tests.faults.soak --seed {self.args.seed}` ran {self.runs_done} runs in {minutes:.1f} min on "
-            f"this machine ({platform.system()} {platform.release()}, {os.cpu_count()} cores, "
-            f"Python {platform.python_version()}).",
-            "",
-            "| backend | runs | operations | faults injected | violations | 95 % upper bound |",
-            "|---|---|---|---|---|---|",
-        ]
-        for key in self.args.backends:
-            rows = [tally for (backend, _), tally in self.tallies.items() if backend == key]
-            runs, violations = sum(t.runs for t in rows), sum(t.violations for t in rows)
-            lines.append(f"| {key} | {runs} | {sum(t.operations for t in rows)} | {sum(t.faults for t in rows)} | "
-                         f"{violations} | {upper_bound(violations, runs):.2%} |")
-        lines += ["", "| backend | fault | runs | operations | overlaps | stale writes accepted | refused writes | "
-                  "violations | 95 % upper bound | failing runs |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for (key, scenario), tally in sorted(self.tallies.items()):
-            lines.append(f"| {key} | {scenario} | {tally.runs} | {tally.operations} | {tally.overlaps} | "
-                         f"{tally.stale_accepted} | {tally.rejections} | {tally.violations} | "
-                         f"{upper_bound(tally.violations, tally.runs):.2%} | "
-                         f"{', '.join(map(str, tally.failing_runs)) or '—'} |")
-        return "\n".join(lines) + "\n"
+        return report(self.tallies, self.args.backends, seeds=[self.args.seed], runs=self.runs_done,
+                      minutes=(time.monotonic() - self.started) / 60)
+
+    def tallies_json(self):
+        """The tallies as JSON, for the report of a soak whose lanes ran in processes of their own."""
+        return json.dumps({"seed": self.args.seed, "runs": self.runs_done,
+                           "tallies": [{"backend": key, "scenario": scenario, **dataclasses.asdict(tally)}
+                                       for (key, scenario), tally in self.tallies.items()]})
+
+
+def report(tallies, backends, *, seeds, runs, minutes, lanes=1):
+    """The markdown report: one row per backend, then one per backend and fault, each with its 95 % upper bound."""
+    command = f"python -m tests.faults.soak --seed {seeds[0]}" + (f" --jobs {lanes}" if lanes > 1 else "")
+    lane_seeds = f" (lane seeds {', '.join(map(str, seeds))})" if lanes > 1 else ""
+    lines = [
+        "# Soak",
+        "",
+        f"`{command}`{lane_seeds} ran {runs} runs in {minutes:.1f} min on "
+        f"this machine ({platform.system()} {platform.release()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}).",
+        "",
+        "| backend | runs | operations | faults injected | violations | 95 % upper bound |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key in backends:
+        rows = [tally for (backend, _), tally in tallies.items() if backend == key]
+        runs_of, violations = sum(t.runs for t in rows), sum(t.violations for t in rows)
+        lines.append(f"| {key} | {runs_of} | {sum(t.operations for t in rows)} | {sum(t.faults for t in rows)} | "
+                     f"{violations} | {upper_bound(violations, runs_of):.2%} |")
+    lines += ["", "| backend | fault | runs | operations | overlaps | stale writes accepted | refused writes | "
+              "violations | 95 % upper bound | failing runs |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for (key, scenario), tally in sorted(tallies.items()):
+        lines.append(f"| {key} | {scenario} | {tally.runs} | {tally.operations} | {tally.overlaps} | "
+                     f"{tally.stale_accepted} | {tally.rejections} | {tally.violations} | "
+                     f"{upper_bound(tally.violations, tally.runs):.2%} | "
+                     f"{', '.join(map(str, tally.failing_runs)) or '—'} |")
+    return "\n".join(lines) + "\n"
+
+
+def lanes(backends, jobs):
+    """Split ``backends`` into ``jobs`` lanes, round robin (in the default order ZooKeeper and etcd, the heaviest,
+    fall into different lanes)."""
+    return [lane for lane in (backends[i::jobs] for i in range(min(jobs, len(backends)))) if lane]
+
+
+def run_lanes(args, argv):
+    """Run the soak's lanes as processes of their own, side by side; print and write the merged report."""
+    started = time.monotonic()
+    folder = Path(tempfile.mkdtemp(prefix="distlock-soak-lanes-"))
+    passed_on = [*argv]
+    for option in ("--jobs", "--backends", "--seed", "--report"):
+        while option in passed_on:
+            at = passed_on.index(option)
+            del passed_on[at:at + 2]
+    children, seeds = [], []
+    run_id = os.environ.get("DISTLOCK_TEST_RUN_ID", str(os.getpid()))
+    for number, lane in enumerate(lanes(args.backends, args.jobs)):
+        seeds.append(args.seed + number)
+        command = [sys.executable, "-m", "tests.faults.soak", *passed_on, "--backends", ",".join(lane),
+                   "--seed", str(seeds[-1]), "--tallies", str(folder / f"lane-{number}.json")]
+        print(f"[soak] lane {number}: {' '.join(lane)}, seed {seeds[-1]}", flush=True)
+        children.append(subprocess.Popen(command, env={**os.environ, "DISTLOCK_TEST_RUN_ID": f"{run_id}lane{number}"}))
+    try:
+        codes = [child.wait() for child in children]
+    except KeyboardInterrupt:
+        # Each lane writes its tallies on an interrupt as on its end: report what they did.
+        for child in children:
+            child.send_signal(signal.SIGINT)
+        codes = [child.wait() for child in children]
+    tallies, runs = {}, 0
+    for path in sorted(folder.glob("lane-*.json")):
+        lane = json.loads(path.read_text())
+        runs += lane["runs"]
+        for row in lane["tallies"]:
+            key = (row.pop("backend"), row.pop("scenario"))
+            tallies[key] = Tally(**row)
+    shutil.rmtree(folder, ignore_errors=True)
+    text = report(tallies, args.backends, seeds=seeds, runs=runs, minutes=(time.monotonic() - started) / 60,
+                  lanes=len(children))
+    print(text, flush=True)
+    if args.report:
+        Path(args.report).write_text(text)
+    return max(codes, default=0)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m tests.faults.soak", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--minutes", type=float, default=10.0, help="how long to go on (default 10)")
-    parser.add_argument("--runs", type=int, default=None, help="runs per backend, instead of --minutes")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="how long to go on at least (default 10, unless --runs is given)")
+    parser.add_argument("--runs", type=int, default=None, help="runs per backend at least")
+    parser.add_argument("--jobs", type=int, default=1, help="lanes of backends run side by side (default 1)")
+    parser.add_argument("--tallies", default=None, help=argparse.SUPPRESS)  # a lane's tallies, for --jobs
     parser.add_argument("--seed", type=int, default=None, help="the soak's seed (default: a random one, printed)")
     parser.add_argument("--replay", type=int, default=None, metavar="N", help="run only run N of --seed")
     parser.add_argument("--backends", type=lambda text: text.split(","), default=BACKENDS,
@@ -323,9 +393,15 @@ def main(argv=None):
         parser.error("run it under `python -m tests.servers` (make soak): the fenced store needs its PostgreSQL")
     if args.replay is not None and args.seed is None:
         parser.error("--replay needs the --seed of the soak")
+    if args.jobs < 1:
+        parser.error("--jobs must be 1 or more")
+    if args.minutes is None and args.runs is None:
+        args.minutes = 10.0
     if args.seed is None:
         args.seed = random.randrange(10**6)
     print(f"[soak] seed {args.seed}", flush=True)
+    if args.jobs > 1 and args.replay is None:
+        return run_lanes(args, sys.argv[1:] if argv is None else argv)
     workdir = Path(tempfile.mkdtemp(prefix="distlock-soak-"))
     old_config = setup_databases(verbosity=0, interactive=False, aliases={"default", STORE_DATABASE})
     try:
@@ -338,6 +414,8 @@ def main(argv=None):
                 print(text, flush=True)
                 if args.report:
                     Path(args.report).write_text(text)
+                if args.tallies:
+                    Path(args.tallies).write_text(soak.tallies_json())
         return 1 if any(tally.violations for tally in soak.tallies.values()) else 0
     finally:
         teardown_databases(old_config, verbosity=0)

@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from tests.faults.soak import upper_bound
+from tests.faults.report import soak_section
+from tests.faults.soak import BACKENDS, lanes, upper_bound
 
 pytestmark = pytest.mark.slow
 
@@ -41,3 +42,16 @@ def test_the_upper_bound_is_three_over_n_for_no_violation_and_clopper_pearson_ot
     # Clopper-Pearson, one-sided 95 %: 1 in 10 -> 0.394, 5 in 100 -> 0.1024 (tables of the exact interval).
     assert upper_bound(1, 10) == pytest.approx(0.394, abs=0.001)
     assert upper_bound(5, 100) == pytest.approx(0.1024, abs=0.001)
+
+
+def test_lanes_split_the_backends_round_robin_and_keep_zookeeper_and_etcd_apart():
+    assert lanes(BACKENDS, 1) == [BACKENDS]
+    assert lanes(BACKENDS, 2) == [["database", "redlock", "etcd"], ["redis", "zookeeper"]]
+    assert lanes(["redis", "etcd"], 3) == [["redis"], ["etcd"]]
+
+
+def test_the_safety_report_includes_the_soak_report_without_its_title(tmp_path):
+    soak = tmp_path / "SOAK.md"
+    assert "make soak" in soak_section(soak)
+    soak.write_text("# Soak\n\nran 3 runs\n\n| backend | runs |\n")
+    assert soak_section(soak) == "ran 3 runs\n\n| backend | runs |"
