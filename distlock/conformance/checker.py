@@ -36,6 +36,7 @@ __all__ = [
     "check",
     "classify_overlaps",
     "critical_section_overlaps",
+    "expiry_floors",
     "granted",
     "linearizability_violations",
     "lost_writes",
@@ -181,13 +182,17 @@ def classify_overlaps(history):
     An overlap is explained when the earlier holder's section meets the window of a fault that can
     have cut it off (``_fault_windows``): one naming that owner, or naming none and not aimed at
     another client process (``target``), and not naming another lock; or when the earlier holder's
-    lease was declared ``lost`` or seen ``expired`` on that lock. Anything else is a second grant no
-    injected fault accounts for.
+    lease was declared ``lost`` or seen ``expired`` on that lock; or when the release of either
+    holder found its lease gone and the later one entered after that lease's ttl can have run out
+    (``expiry_floors``): a holder past its ttl, which only fencing stops. Anything else is a second grant no injected fault accounts for.
     """
     sections, grants = _critical_sections(history)
     origin = history[0]["t"] if history else 0
     clients = {event.get("proc") for event in history if event["op"] in ("acquire", "cs_enter")} - {None}
     ended = {(event.get("owner"), event["lock"]) for event in history if event["op"] in ("lost", "expired")}
+    found_gone = {(event.get("owner"), event["lock"]) for event in history
+                  if event["op"] == "release" and event.get("phase", "ok") == "ok" and event.get("released") is False}
+    floors = expiry_floors(history)
     windows = _fault_windows(history)
     explained, unexplained = [], []
     for lock, earlier, later in _overlapping_pairs(sections):
@@ -195,6 +200,10 @@ def classify_overlaps(history):
         description = (f"lock {lock!r}: {later[2]} entered at {_milliseconds(later[0], origin)} while {owner} "
                        f"was in its section ({_milliseconds(start, origin)} to {_milliseconds(end, origin)})")
         reason = "its lease was declared lost or seen expired" if (owner, lock) in ended else None
+        for past_ttl in (owner, later[2]) if reason is None else ():
+            if (past_ttl, lock) in found_gone and later[0] >= floors.get((past_ttl, lock), INFINITY):
+                reason = f"{past_ttl}'s ttl had run out (its release found the lease gone)"
+                break
         for fault, fault_start, fault_end in windows if reason is None else ():
             named = fault.get("owner")
             if named not in (None, owner) or fault.get("lock") not in (None, lock):
@@ -237,8 +246,39 @@ class _Lease:
     acquire: int | None = None
     releases: list = field(default_factory=list)
     last_step: float = -INFINITY
+    #: The earliest moment its ttl can have run out (``expiry_floors``), or None if its ttl does not end it.
+    expiry_floor: float | None = None
     #: ``(earliest, latest)`` moments at which the server may have ended it on its own.
     endings: list = field(default_factory=list)
+
+
+def _expiry_floor(grant, call):
+    """The earliest moment the ttl of the lease ``grant`` (an acquire ``ok``) can run out, or None.
+
+    A grant records ``ttl`` (seconds) when the server ends the lease at its ttl rather than with a
+    session. The server granted it after the call began (``call``) and counts the ttl from then, and
+    the clients only ever extend a lease by its own ttl, so it cannot run out before ``call + ttl``.
+    """
+    if grant.get("ttl") is None or call == -INFINITY:
+        return None
+    return call + grant["ttl"] * 1e9
+
+
+def expiry_floors(history):
+    """Return ``{(owner, lock): earliest moment its ttl can run out}`` for each grant that records a ttl."""
+    floors, invoked = {}, defaultdict(deque)
+    for event in sorted(history, key=lambda event: event["t"]):
+        if event["op"] != "acquire":
+            continue
+        calls = invoked[(event.get("proc"), event.get("lock"))]
+        if event.get("phase") == "invoke":
+            calls.append(event["t"])
+            continue
+        call = calls.popleft() if calls else -INFINITY
+        floor = _expiry_floor(event, call) if event.get("phase", "ok") == "ok" else None
+        if floor is not None:
+            floors[(event.get("owner"), event["lock"])] = floor
+    return floors
 
 
 def _lock_operations(events, fault_events):
@@ -273,7 +313,8 @@ def _lock_operations(events, fault_events):
             call = invoked[event.get("proc")].popleft() if invoked[event.get("proc")] else -INFINITY
             if phase == "fail" or (phase == "info" and owner is None):
                 continue  # no effect, or one nothing later can depend on (``linearizability_violations``)
-            leases.append(_Lease(owner, last_step=t if phase == "ok" else call))
+            leases.append(_Lease(owner, last_step=t if phase == "ok" else call,
+                                 expiry_floor=_expiry_floor(event, call)))
             current[owner] = len(leases) - 1
             if +server_faults_open:  # granted while the servers are faulty: it may end any time from now on
                 leases[-1].endings.append((t, INFINITY))
@@ -286,7 +327,10 @@ def _lock_operations(events, fault_events):
             leases[index].releases.append(add("release", index, leases[index].last_step, t))
         elif op == "release" and owner in current:
             lease = leases[current[owner]]
-            lease.endings.append((t, t) if event.get("phase", "ok") == "ok" else (lease.last_step, INFINITY))
+            if event.get("phase", "ok") != "ok":
+                lease.endings.append((lease.last_step, INFINITY))
+            else:  # found gone: its ttl ran out (from its floor on) or, without a ttl that ends it, by now
+                lease.endings.append((min(t, lease.expiry_floor if lease.expiry_floor is not None else t), t))
         elif op in ("lost", "expired") and owner in current:
             leases[current[owner]].endings.append((event.get("since", t) if op == "expired" else t, t))
         elif op in FAULT_OPS and event.get("ends_leases"):
@@ -437,8 +481,10 @@ def linearizability_violations(history, *, tokens_must_increase=True, step_limit
 
     - its own acknowledged ``release`` (ok, ``released`` not False): between the holder's last step
       before it (``HOLDER_STEPS``, which the release call followed) and its reply;
-    - otherwise, the server ended it on its own. A ``lost`` of the owner, or a release that found it
-      gone (``released`` False), ends it at that moment: the earliest time the history knows of it.
+    - otherwise, the server ended it on its own. A ``lost`` of the owner ends it at that moment: the
+      earliest time the history knows of it. So does a release that found it gone (``released``
+      False), unless the grant recorded the ttl that ends it (``expiry_floors``): then any time from
+      the moment that ttl can have run out to the release's reply.
       An ``expired`` event ends it between its ``since`` (default its ``t``) and its ``t``. A fault or
       kill naming the owner (paused, killed, session expired), or a fault of the servers
       (``ends_leases``) that starts or ends while it holds, lets the server end it any time from then on,

@@ -197,6 +197,39 @@ def test_a_release_that_found_the_lease_gone_ends_it_no_earlier_than_its_reply()
     assert not linearizability_violations([*history[:3], release(15, "A", released=False), *turn(20, "B", 2)])
 
 
+def granted_with_ttl(t, owner, token, ttl, lock="L"):
+    """A grant the server ends at its ttl (seconds): the client records it (``ttl_that_ends``)."""
+    return {**acquire(t, owner, token, lock), "ttl": ttl}
+
+
+def test_holders_blocked_past_their_ttl_by_a_paused_one_are_linearizable_and_explained():
+    """Soak run 35 (seed 2611, database): a paused holder kept the fenced row locked, so A, C and B, each
+    granted once the one before it had run past its 2 s ttl, waited in claim() until it resumed, then entered
+    their sections together. A's and C's releases found their leases gone. The lock service did nothing wrong
+    (fencing refused A's and C's writes); the checker took a release that found a lease gone for the moment
+    the lease ended, and reported A and C as holding when B and C were granted."""
+    history = [invoke(0, "A"), granted_with_ttl(10, "A", 1, 2), invoke(5, "C"), granted_with_ttl(2100, "C", 2, 2),
+               invoke(2050, "B"), granted_with_ttl(4200, "B", 3, 2),
+               *section(5000, 5010, "A"), *section(5002, 5008, "B"), *section(5005, 5009, "C"),
+               release(5011, "A", released=False), release(5011, "C", released=False), release(5012, "B")]
+    assert linearizability_violations(history) == []
+    explained, unexplained = classify_overlaps(history)
+    assert unexplained == [] and len(explained) == 3
+    # Without the ttl in the grants, nothing says when A's lease ended: B's and C's grants are too soon.
+    bare = [{key: value for key, value in event.items() if key != "ttl"} for event in history]
+    assert linearizability_violations(bare)
+    assert len(classify_overlaps(bare)[1]) == 3
+
+
+def test_a_lease_found_gone_still_held_until_its_ttl_can_have_run_out():
+    """B granted 600 ms into A's 2 s ttl: A's release finding the lease gone does not excuse it, nor the overlap."""
+    history = [invoke(0, "A"), granted_with_ttl(1, "A", 1, 2), *section(2, 900, "A"), invoke(500, "B"),
+               granted_with_ttl(600, "B", 2, 2), *section(601, 700, "B"), release(701, "B"),
+               release(901, "A", released=False)]
+    assert linearizability_violations(history)
+    assert classify_overlaps(history)[1]
+
+
 def test_an_unsure_grant_released_before_a_later_grant_is_ordered_before_it():
     """C's grant is unknown (info) but its release was acknowledged, and called before D's grant (token 3) returned:
     C (token 2) must have held the lock between A and D."""
