@@ -28,6 +28,7 @@ import math
 import os
 import platform
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -47,6 +48,8 @@ django.setup()
 
 from django.test.utils import setup_databases, teardown_databases  # noqa: E402
 
+from distlock.conformance.checker import check  # noqa: E402
+from distlock.conformance.history import load  # noqa: E402
 from distlock.conformance.run import Run  # noqa: E402
 from distlock.conformance.store import FencedStore  # noqa: E402
 from tests.faults.nemesis import (CLIENT_FAULTS, CLIENT_HOST_FAULTS, CLUSTER_FAULTS, CUT_OFF_OVERLAP,  # noqa: E402
@@ -57,7 +60,7 @@ from tests.servers.netns import TestNetwork, namespaces_refused  # noqa: E402
 from tests.servers.redis import RedisServer  # noqa: E402
 from tests.servers.zookeeper import ZooKeeperEnsemble  # noqa: E402
 
-__all__ = ["BACKENDS", "BROKEN", "RUNS_PER_BLOCK", "lanes", "main", "upper_bound"]
+__all__ = ["BACKENDS", "BROKEN", "RUNS_PER_BLOCK", "lanes", "main", "rejudge", "upper_bound"]
 
 #: The backends in the order runs go round them, by the module name of their ``BACKEND``.
 BACKENDS = ["database", "redis", "redlock", "zookeeper", "etcd"]
@@ -324,6 +327,78 @@ def report(tallies, backends, *, seeds, runs, minutes, lanes=1):
     return "\n".join(lines) + "\n"
 
 
+#: Backends whose leases end with a session, not at their ttl, and whose tokens need not increase.
+SESSION_BACKENDS, UNORDERED_TOKENS = {"zookeeper", "etcd"}, {"redlock", BROKEN}
+_KEPT = re.compile(r"seed-(\d+)-run-(\d+)-(\w+)$")
+
+
+def rejudge(folder):
+    """Check a kept run again with this checkout's checker; return ``(run, backend, fault, problems)``.
+
+    The folder holds the run's whole block (``RUNS_PER_BLOCK``): the run's lock is the block's
+    ``run % RUNS_PER_BLOCK``-th, its rows those its clients wrote, its fault the nemesis's start while
+    its lock was in use. Grants recorded before they carried their ttl get the soak's ``TTL`` where
+    the backend ends leases at their ttl, as ``ttl_that_ends`` records it now.
+    """
+    seed, number, key = _KEPT.search(str(folder)).groups()
+    number = int(number)
+    events = load(folder)
+    block_lock = next(event["lock"] for event in events if (event.get("lock") or "").startswith("distlock-verify:"))
+    lock = f"{block_lock.rsplit(':', 1)[0]}:{number % RUNS_PER_BLOCK}"
+    mine = [event for event in events if event.get("lock") == lock]
+    if not mine:
+        return number, key, None, [f"no event of its lock {lock!r} in the folder"]
+    first, last = mine[0]["t"], mine[-1]["t"]
+    for event in mine:
+        if event["op"] == "acquire" and event.get("phase") == "ok" and key not in SESSION_BACKENDS:
+            event.setdefault("ttl", TTL)
+    faults = {fault.name: fault for fault in [*CLIENT_FAULTS, *CLIENT_HOST_FAULTS, *CLUSTER_FAULTS, *REDIS_FAULTS,
+                                              *REDLOCK_FAULTS]}
+    started = [event.get("what") for event in events if event.get("proc") == "nemesis" and "lock" not in event
+               and event.get("phase") == "start" and first <= event["t"] <= last]
+    fault = faults.get(started[0]) if started else None
+    rows = {event["row"] for event in mine if event.get("row") is not None}
+    commits = [commit for commit in json.loads((Path(folder) / "store-commits.json").read_text())
+               if commit["row"] in rows]
+    final = {row: next((commit["value"] for commit in reversed(commits)
+                        if commit["row"] == row and commit["accepted"] and commit["value"] is not None), 0)
+             for row in rows}
+    history = [event for event in events if event.get("lock", lock) == lock and event["t"] <= last] + commits
+    verdict = check(history, initial=dict.fromkeys(rows, 0), final=final,
+                    tokens_must_increase=key not in UNORDERED_TOKENS,
+                    forgets_grants=bool(fault and fault.forgets_grants), only_faults_cause_overlaps=fault is not None)
+    problems = [] if verdict.ok else [name for name, found in (
+        ("not linearizable (P4)", verdict.linearizability_violations and not verdict.forgets_grants),
+        ("overlap no fault explains", verdict.unexplained_overlaps and verdict.only_faults_cause_overlaps),
+        ("stale write accepted", verdict.stale_accepted), ("write refused without a newer token",
+                                                            verdict.false_rejections),
+        ("token issued twice or going back", verdict.duplicate_tokens or verdict.regressions),
+        ("lost update or write", verdict.lost_updates or verdict.lost_writes), ("stale read", verdict.stale_reads),
+        ("token not issued to its writer", verdict.stray_tokens)) if found]
+    if fault is None and verdict.overlaps:
+        problems.append(f"{verdict.overlaps} overlapping critical section(s) without any fault")
+    return number, key, started[0] if started else "no fault", problems
+
+
+def rejudged_section(folders, seeds):
+    """The report's section of runs flagged at run time and checked again (``rejudge``)."""
+    lines = ["", "## Flagged runs, checked again", "",
+             f"`python -m tests.faults.soak --rejudge` with the checker of commit {_commit()}: each run the soak "
+             "flagged, from the folder it kept.", "",
+             "| run | backend | fault | checked again |", "|---|---|---|---|"]
+    for folder in sorted(folders, key=lambda path: int(_KEPT.search(str(path)).group(2))):
+        if int(_KEPT.search(str(folder)).group(1)) not in seeds:
+            continue
+        number, key, fault, problems = rejudge(folder)
+        lines.append(f"| {number} | {key} | {fault} | {'; '.join(problems) or 'ok'} |")
+    return "\n".join(lines) + "\n"
+
+
+def _commit():
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
+    return done.stdout.strip() or "unknown"
+
+
 def lanes(backends, jobs):
     """Split ``backends`` into ``jobs`` lanes, round robin (in the default order ZooKeeper and etcd, the heaviest,
     fall into different lanes)."""
@@ -378,6 +453,9 @@ def main(argv=None):
     parser.add_argument("--runs", type=int, default=None, help="runs per backend at least")
     parser.add_argument("--jobs", type=int, default=1, help="lanes of backends run side by side (default 1)")
     parser.add_argument("--tallies", default=None, help=argparse.SUPPRESS)  # a lane's tallies, for --jobs
+    parser.add_argument("--rejudge", nargs="+", default=None, metavar="FOLDER",
+                        help="check the runs kept in these folders again (of --seed and the next --jobs - 1 "
+                             "seeds) and append the table to --report")
     parser.add_argument("--seed", type=int, default=None, help="the soak's seed (default: a random one, printed)")
     parser.add_argument("--replay", type=int, default=None, metavar="N", help="run only run N of --seed")
     parser.add_argument("--backends", type=lambda text: text.split(","), default=BACKENDS,
@@ -389,12 +467,21 @@ def main(argv=None):
     unknown = set(args.backends) - {*BACKENDS, BROKEN}
     if unknown:
         parser.error(f"unknown backend(s): {', '.join(sorted(unknown))}")
-    if not os.environ.get("DISTLOCK_TEST_PG"):
+    if args.rejudge is None and not os.environ.get("DISTLOCK_TEST_PG"):
         parser.error("run it under `python -m tests.servers` (make soak): the fenced store needs its PostgreSQL")
     if args.replay is not None and args.seed is None:
         parser.error("--replay needs the --seed of the soak")
     if args.jobs < 1:
         parser.error("--jobs must be 1 or more")
+    if args.rejudge is not None:
+        if args.seed is None:
+            parser.error("--rejudge needs the --seed of the soak")
+        text = rejudged_section([Path(folder) for folder in args.rejudge], range(args.seed, args.seed + args.jobs))
+        print(text, flush=True)
+        if args.report:
+            with open(args.report, "a", encoding="utf-8") as report_file:
+                report_file.write(text)
+        return 0
     if args.minutes is None and args.runs is None:
         args.minutes = 10.0
     if args.seed is None:

@@ -5,6 +5,7 @@ runs on a backend broken on purpose (every token 1: fencing cannot tell holders 
 of its own with databases of its own.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import sys
 import pytest
 
 from tests.faults.report import soak_section
-from tests.faults.soak import BACKENDS, lanes, upper_bound
+from tests.faults.soak import BACKENDS, lanes, rejudge, upper_bound
 
 pytestmark = pytest.mark.slow
 
@@ -55,3 +56,39 @@ def test_the_safety_report_includes_the_soak_report_without_its_title(tmp_path):
     assert "make soak" in soak_section(soak)
     soak.write_text("# Soak\n\nran 3 runs\n\n| backend | runs |\n")
     assert soak_section(soak) == "ran 3 runs\n\n| backend | runs |"
+
+
+def kept_run(folder, grants_of_b_and_c):
+    """A kept folder of soak run 3 (seed 5, database): the holder paused; A, C and B granted one after the other,
+    entering their sections together once it resumed, as in run 35 of seed 2611; grants without their ttl."""
+    ms, lock = 1_000_000, "distlock-verify:abc:3"
+    c_at, b_at = grants_of_b_and_c
+    folder.mkdir()
+    clients = {"A": [(0, "invoke"), (10, "ok", 1), (5000, "enter"), (5010, "exit"), (5011, "release", False)],
+               "C": [(5, "invoke"), (c_at, "ok", 2), (5005, "enter"), (5009, "exit"), (5011, "release", False)],
+               "B": [(2050, "invoke"), (b_at, "ok", 3), (5002, "enter"), (5008, "exit"), (5012, "release", True)]}
+    for owner, steps in clients.items():
+        events = []
+        for t, what, *more in steps:
+            event = {"t": t * ms, "proc": owner, "lock": lock}
+            if what in ("invoke", "ok"):
+                event.update(op="acquire", phase=what, **({"owner": owner, "token": more[0]} if more else {}))
+            elif what == "release":
+                event.update(op="release", phase="ok", owner=owner, released=more[0])
+            else:
+                event.update(op=f"cs_{what}", owner=owner)
+            events.append(event)
+        (folder / f"{owner}.jsonl").write_text("".join(json.dumps(event) + "\n" for event in events))
+    (folder / "nemesis.jsonl").write_text(json.dumps(
+        {"t": 1 * ms, "proc": "nemesis", "op": "fault", "what": "the holder paused past its lease (SIGSTOP)",
+         "phase": "start", "target": "client-2", "ends_leases": False}) + "\n")
+    (folder / "store-commits.json").write_text("[]")
+    return folder
+
+
+def test_rejudge_checks_a_kept_run_again_with_the_soaks_ttl(tmp_path):
+    ok = kept_run(tmp_path / "seed-5-run-3-database", (2100, 4200))
+    assert rejudge(ok) == (3, "database", "the holder paused past its lease (SIGSTOP)", [])
+    # C granted 600 ms into A's 2 s ttl: a double grant, whatever A's release later found.
+    bad = kept_run(tmp_path / "seed-5-run-13-database", (600, 4200))
+    assert "not linearizable (P4)" in rejudge(bad)[3]
