@@ -246,7 +246,7 @@ class _Lease:
     acquire: int | None = None
     releases: list = field(default_factory=list)
     last_step: float = -INFINITY
-    #: The earliest moment its ttl can have run out (``expiry_floors``), or None if its ttl does not end it.
+    #: The earliest moment its ttl can have run out (``expiry_floors``), or None if the grant does not say.
     expiry_floor: float | None = None
     #: ``(earliest, latest)`` moments at which the server may have ended it on its own.
     endings: list = field(default_factory=list)
@@ -255,9 +255,11 @@ class _Lease:
 def _expiry_floor(grant, call):
     """The earliest moment the ttl of the lease ``grant`` (an acquire ``ok``) can run out, or None.
 
-    A grant records ``ttl`` (seconds) when the server ends the lease at its ttl rather than with a
-    session. The server granted it after the call began (``call``) and counts the ttl from then, and
-    the clients only ever extend a lease by its own ttl, so it cannot run out before ``call + ttl``.
+    A grant records its ``ttl`` (seconds). Unless renewed, the lease ends when it runs out: the server
+    ends it (database, Redis, Redlock), or the holder's process deletes its key (ZooKeeper, etcd,
+    whose sessions can also end it sooner: the history then shows it ``lost`` or a fault). The ttl
+    counts from after the call began (``call``), and the clients only ever extend a lease by its own
+    ttl, so it cannot run out before ``call + ttl``.
     """
     if grant.get("ttl") is None or call == -INFINITY:
         return None
@@ -483,8 +485,8 @@ def linearizability_violations(history, *, tokens_must_increase=True, step_limit
       before it (``HOLDER_STEPS``, which the release call followed) and its reply;
     - otherwise, the server ended it on its own. A ``lost`` of the owner ends it at that moment: the
       earliest time the history knows of it. So does a release that found it gone (``released``
-      False), unless the grant recorded the ttl that ends it (``expiry_floors``): then any time from
-      the moment that ttl can have run out to the release's reply.
+      False), unless the grant recorded its ttl (``expiry_floors``): then any time from the moment
+      that ttl can have run out to the release's reply.
       An ``expired`` event ends it between its ``since`` (default its ``t``) and its ``t``. A fault or
       kill naming the owner (paused, killed, session expired), or a fault of the servers
       (``ends_leases``) that starts or ends while it holds, lets the server end it any time from then on,

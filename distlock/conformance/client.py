@@ -40,14 +40,7 @@ __all__ = [
     "answer",
     "main",
     "run",
-    "ttl_that_ends",
 ]
-
-
-def ttl_that_ends(lease):
-    """``{"ttl": seconds}`` for a grant the server ends at its ttl (no session), else ``{}``: the checker's
-    ``expiry_floors`` may then let the lease end once that ttl can have run out."""
-    return {"ttl": lease.ttl} if lease.session_timeout is None else {}
 
 
 class Client:
@@ -91,8 +84,7 @@ class Client:
             raise
         elapsed = time.monotonic() - started
         remaining = lease.remaining()
-        self.history.record("acquire", phase="ok", lock=name, token=lease.token, owner=lease.owner,
-                            **ttl_that_ends(lease))
+        self.history.record("acquire", phase="ok", lock=name, token=lease.token, owner=lease.owner, ttl=lease.ttl)
         self.leases[name] = lease
         return {"token": lease.token, "owner": lease.owner, "session_timeout": lease.session_timeout,
                 "token_is_safe": lease.token_is_safe, "remaining": remaining, "elapsed": elapsed}
@@ -730,7 +722,7 @@ class InterruptStorm:
             return None, elapsed
         lease = value
         self.history.record("acquire", phase="ok", lock=name, token=lease.token, owner=lease.owner,
-                            interrupted=outcome == "interrupted", **ttl_that_ends(lease))
+                            interrupted=outcome == "interrupted", ttl=lease.ttl)
         self.history.record("cs_enter", lock=name, owner=lease.owner, token=lease.token)
         holding = _Holding(lease, time.monotonic_ns(), certain=outcome == "ok")
         if name == self.held or name in self.holdings:

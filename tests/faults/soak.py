@@ -327,8 +327,8 @@ def report(tallies, backends, *, seeds, runs, minutes, lanes=1):
     return "\n".join(lines) + "\n"
 
 
-#: Backends whose leases end with a session, not at their ttl, and whose tokens need not increase.
-SESSION_BACKENDS, UNORDERED_TOKENS = {"zookeeper", "etcd"}, {"redlock", BROKEN}
+#: Backends whose tokens need not increase.
+UNORDERED_TOKENS = {"redlock", BROKEN}
 _KEPT = re.compile(r"seed-(\d+)-run-(\d+)-(\w+)$")
 
 
@@ -337,8 +337,7 @@ def rejudge(folder):
 
     The folder holds the run's whole block (``RUNS_PER_BLOCK``): the run's lock is the block's
     ``run % RUNS_PER_BLOCK``-th, its rows those its clients wrote, its fault the nemesis's start while
-    its lock was in use. Grants recorded before they carried their ttl get the soak's ``TTL`` where
-    the backend ends leases at their ttl, as ``ttl_that_ends`` records it now.
+    its lock was in use. Grants recorded before they carried their ttl get the soak's ``TTL``.
     """
     seed, number, key = _KEPT.search(str(folder)).groups()
     number = int(number)
@@ -350,7 +349,7 @@ def rejudge(folder):
         return number, key, None, [f"no event of its lock {lock!r} in the folder"]
     first, last = mine[0]["t"], mine[-1]["t"]
     for event in mine:
-        if event["op"] == "acquire" and event.get("phase") == "ok" and key not in SESSION_BACKENDS:
+        if event["op"] == "acquire" and event.get("phase") == "ok":
             event.setdefault("ttl", TTL)
     faults = {fault.name: fault for fault in [*CLIENT_FAULTS, *CLIENT_HOST_FAULTS, *CLUSTER_FAULTS, *REDIS_FAULTS,
                                               *REDLOCK_FAULTS]}

@@ -198,7 +198,7 @@ def test_a_release_that_found_the_lease_gone_ends_it_no_earlier_than_its_reply()
 
 
 def granted_with_ttl(t, owner, token, ttl, lock="L"):
-    """A grant the server ends at its ttl (seconds): the client records it (``ttl_that_ends``)."""
+    """A grant with the ttl (seconds) the client records."""
     return {**acquire(t, owner, token, lock), "ttl": ttl}
 
 
