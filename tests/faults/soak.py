@@ -22,6 +22,7 @@ leaves idle while its clients wait out ttls and faults run another lane's runs.
 """
 
 import argparse
+import ast
 import dataclasses
 import json
 import math
@@ -60,7 +61,7 @@ from tests.servers.netns import TestNetwork, namespaces_refused  # noqa: E402
 from tests.servers.redis import RedisServer  # noqa: E402
 from tests.servers.zookeeper import ZooKeeperEnsemble  # noqa: E402
 
-__all__ = ["BACKENDS", "BROKEN", "RUNS_PER_BLOCK", "lanes", "main", "rejudge", "upper_bound"]
+__all__ = ["BACKENDS", "BROKEN", "RUNS_PER_BLOCK", "flagged_in_output", "lanes", "main", "rejudge", "upper_bound"]
 
 #: The backends in the order runs go round them, by the module name of their ``BACKEND``.
 BACKENDS = ["database", "redis", "redlock", "zookeeper", "etcd"]
@@ -175,6 +176,8 @@ class Soak:
         self.started = time.monotonic()
         self.runs_done = 0
         self.done = defaultdict(int)
+        #: run number -> what the checker found in it, for the folder it keeps.
+        self.violations = {}
 
     def backend(self, key):
         if key not in self.backends:
@@ -271,6 +274,7 @@ class Soak:
             tally.violations += 1
             tally.failing_runs.append(number)
             tally.problems.extend(result.violations)
+            self.violations[number] = result.violations
             print(f"[soak] run {number} ({backend.key}, {scenario}): VIOLATION {result.violations}", flush=True)
             return False
         if self.runs_done % 10 == 0:
@@ -284,6 +288,7 @@ class Soak:
             if Path(log).exists():
                 shutil.copy(log, folder / f"server-{Path(log).name}")
         (folder / "store-commits.json").write_text(json.dumps(self.store.commits(run.rows), indent=1))
+        (folder / "violations.json").write_text(json.dumps(self.violations.get(number, []), indent=1))
         (folder / "replay.txt").write_text(
             f"make soak SOAK_ARGS='--seed {self.args.seed} --replay {number} --backends {','.join(self.args.backends)}'\n")
 
@@ -335,6 +340,8 @@ _KEPT = re.compile(r"seed-(\d+)-run-(\d+)-(\w+)$")
 def rejudge(folder):
     """Check a kept run again with this checkout's checker; return ``(run, backend, fault, problems)``.
 
+    ``problems`` name the kinds of violation found (each violation's text up to its colon).
+
     The folder holds the run's whole block (``RUNS_PER_BLOCK``): the run's lock is the block's
     ``run % RUNS_PER_BLOCK``-th, its rows those its clients wrote, its fault the nemesis's start while
     its lock was in use. Grants recorded before they carried their ttl get the soak's ``TTL``.
@@ -379,17 +386,33 @@ def rejudge(folder):
     return number, key, started[0] if started else "no fault", problems
 
 
-def rejudged_section(folders, seeds):
-    """The report's section of runs flagged at run time and checked again (``rejudge``)."""
+_FLAGGED = re.compile(r"^\[soak\] run (\d+) \((\w+), .*?\): VIOLATION (\[.*\])$")
+
+
+def flagged_in_output(text):
+    """Return ``{(run, backend): violations}`` from a soak's printed output (its ``VIOLATION`` lines)."""
+    return {(int(match.group(1)), match.group(2)): ast.literal_eval(match.group(3))
+            for match in map(_FLAGGED.match, text.splitlines()) if match}
+
+
+def rejudged_section(folders, seeds, output=None):
+    """The report's section of runs flagged at run time and checked again (``rejudge``), with what the
+    run-time check found: the folder's ``violations.json``, or the soak's printed ``output`` for
+    folders kept before soaks wrote that file."""
+    printed = flagged_in_output(output) if output else {}
     lines = ["", "## Flagged runs, checked again", "",
              f"`python -m tests.faults.soak --rejudge` with the checker of commit {_commit()}: each run the soak "
              "flagged, from the folder it kept.", "",
-             "| run | backend | fault | checked again |", "|---|---|---|---|"]
-    for folder in sorted(folders, key=lambda path: int(_KEPT.search(str(path)).group(2))):
-        if int(_KEPT.search(str(folder)).group(1)) not in seeds:
+             "| seed | run | backend | fault | at run time | checked again |", "|---|---|---|---|---|---|"]
+    for folder in sorted(folders, key=lambda path: tuple(map(int, _KEPT.search(str(path)).groups()[:2]))):
+        seed = int(_KEPT.search(str(folder)).group(1))
+        if seed not in seeds:
             continue
         number, key, fault, problems = rejudge(folder)
-        lines.append(f"| {number} | {key} | {fault} | {'; '.join(problems) or 'ok'} |")
+        recorded = folder / "violations.json"
+        violations = json.loads(recorded.read_text()) if recorded.exists() else printed.get((number, key))
+        found = sorted({text.split(":")[0] for text in violations}) if violations else ["flagged"]
+        lines.append(f"| {seed} | {number} | {key} | {fault} | {'; '.join(found)} | {'; '.join(problems) or 'ok'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -455,6 +478,8 @@ def main(argv=None):
     parser.add_argument("--rejudge", nargs="+", default=None, metavar="FOLDER",
                         help="check the runs kept in these folders again (of --seed and the next --jobs - 1 "
                              "seeds) and append the table to --report")
+    parser.add_argument("--soak-output", default=None, metavar="FILE",
+                        help="with --rejudge: the soak's printed output, for folders without violations.json")
     parser.add_argument("--seed", type=int, default=None, help="the soak's seed (default: a random one, printed)")
     parser.add_argument("--replay", type=int, default=None, metavar="N", help="run only run N of --seed")
     parser.add_argument("--backends", type=lambda text: text.split(","), default=BACKENDS,
@@ -475,7 +500,9 @@ def main(argv=None):
     if args.rejudge is not None:
         if args.seed is None:
             parser.error("--rejudge needs the --seed of the soak")
-        text = rejudged_section([Path(folder) for folder in args.rejudge], range(args.seed, args.seed + args.jobs))
+        output = Path(args.soak_output).read_text(encoding="utf-8") if args.soak_output else None
+        text = rejudged_section([Path(folder) for folder in args.rejudge], range(args.seed, args.seed + args.jobs),
+                                output)
         print(text, flush=True)
         if args.report:
             with open(args.report, "a", encoding="utf-8") as report_file:

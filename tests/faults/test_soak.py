@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from tests.faults.report import soak_section
-from tests.faults.soak import BACKENDS, lanes, rejudge, upper_bound
+from tests.faults.soak import BACKENDS, flagged_in_output, lanes, rejudge, upper_bound
 
 pytestmark = pytest.mark.slow
 
@@ -35,6 +35,7 @@ def test_the_soak_catches_a_backend_that_reuses_tokens_and_keeps_the_run(tmp_pat
     replay = (kept[0] / "replay.txt").read_text()
     assert "--seed 11 --replay" in replay and "--backends broken" in replay
     assert any(path.suffix == ".jsonl" for path in kept[0].iterdir())
+    assert any("issued twice" in text for text in json.loads((kept[0] / "violations.json").read_text()))
 
 
 def test_the_upper_bound_is_three_over_n_for_no_violation_and_clopper_pearson_otherwise():
@@ -92,3 +93,10 @@ def test_rejudge_checks_a_kept_run_again_with_the_soaks_ttl(tmp_path):
     # C granted 600 ms into A's 2 s ttl: a double grant, whatever A's release later found.
     bad = kept_run(tmp_path / "seed-5-run-13-database", (600, 4200))
     assert "not linearizable (P4)" in rejudge(bad)[3]
+
+
+def test_the_violations_a_soak_printed_are_read_back_for_its_older_folders():
+    output = ("[soak] 10 runs, 1.0 min\n[soak] run 35 (database, the holder paused past its lease (SIGSTOP)): "
+              "VIOLATION [\"not linearizable (P4): lock 'x': A got token 2\", 'overlap no fault explains: B']\n")
+    assert flagged_in_output(output) == {(35, "database"): ["not linearizable (P4): lock 'x': A got token 2",
+                                                            "overlap no fault explains: B"]}
