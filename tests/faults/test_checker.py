@@ -1,6 +1,8 @@
 """The checker itself, on hand-written histories (pure logic: no servers)."""
 
+import json
 import random
+from pathlib import Path
 
 from distlock.conformance.checker import check, classify_overlaps, linearizability_violations, lost_writes, stale_reads
 
@@ -488,3 +490,16 @@ def test_a_store_that_forgets_the_token_check_is_caught():
     assert not verdict.ok
     assert len(verdict.lost_writes) == 1 and verdict.lost_writes[0]["owner"] == "B"
     assert verdict.stale_accepted and verdict.lost_updates == 1
+
+
+def test_an_etcd_token_below_one_granted_before_is_caught_in_the_soaks_history():
+    """Soak seed 2611, run 927 (etcd, "a client's host cut from the majority"), cut to the 100 ms around it:
+    client-1 asked for the lock after client-2's grant of token 114796 came back and its release too, and was
+    granted 114794. Fencing refused its claim; the token order of the etcd backend is under investigation."""
+    path = Path(__file__).parent / "histories" / "etcd-client-host-cut-token-back.jsonl"
+    history = [json.loads(line) for line in path.read_text().splitlines()]
+    verdict = check(history, only_faults_cause_overlaps=True)
+    assert [event["token"] for event in verdict.regressions] == [114794]
+    (violation,) = verdict.linearizability_violations
+    assert "got token 114794" in violation and "not above token 114796" in violation
+    assert not (verdict.stale_accepted or verdict.false_rejections or verdict.lost_writes or verdict.unexplained_overlaps)
