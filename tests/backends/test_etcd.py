@@ -478,6 +478,35 @@ def test_a_waiter_whose_session_lease_was_revoked_queues_again(configure, cluste
     assert cluster.keys(lock_keys) == []
 
 
+def test_a_late_copy_of_an_acquire_that_recreates_our_key_never_yields_an_older_token(
+        configure, cluster, prefix, lock_name):
+    """The soak's etcd run 927: a retried ACQUIRE whose first copy committed only later (held in a cut
+    link) put our released key back into the queue. Finding it at the head, the next acquire took the
+    key's old mod revision for its token, below the token of a grant made meanwhile."""
+    ours, first, second = configure(etcd_ours={}, etcd_first={}, etcd_second={})
+    earlier = distlock.acquire(lock_name, ttl=30, using=ours)
+    handle, owner = earlier.handle, earlier.owner
+    earlier.release()
+    holder = distlock.acquire(lock_name, ttl=30, using=first)
+    thread, result = acquire_in_thread(lock_name, ttl=30, timeout=20, using=second)
+    wait_for(lambda: queue_length(cluster, prefix, lock_name) == 2, 10, "the waiter did not queue")
+    backend = locks[ours]
+    late_copy = acquire_txn(backend._lock_prefix(lock_name), handle.key, json.dumps({"owner": owner}).encode(),
+                            handle.session.id, True)
+    backend._connection.txn(late_copy, time.monotonic() + 5)  # our key again, queued behind the waiter
+    holder.release()
+    thread.join(20)
+    granted_meanwhile = result["lease"]
+    granted_meanwhile.release()
+    lease = distlock.acquire(lock_name, ttl=30, blocking=False, using=ours)
+    try:
+        assert lease.handle.key == handle.key, "the slot's key, found at the head of the queue"
+        assert lease.token > granted_meanwhile.token > holder.token
+    finally:
+        lease.release()
+    assert cluster.keys(prefix.encode()) == []
+
+
 @pytest.mark.parametrize("fault", ["pause", "stop"])
 def test_keepalive_failure_past_the_lease_ttl_marks_leases_lost(
         configure, cluster, restore, lost_leases, lock_name, fault):

@@ -166,9 +166,12 @@ class EtcdBackend(BaseLockBackend):
             contender.revision = response.header.revision
             return self._grant(contender, response.header.revision, acquired_at)
         own, holder = response.responses[0].response_range.kvs, response.responses[1].response_range.kvs
-        if own and holder[0].key == contender.key:  # a retry whose first try took the free lock
-            contender.revision = own[0].create_revision
-            return self._grant(contender, own[0].mod_revision, acquired_at)
+        if own and holder[0].key == contender.key:
+            # Our key heads the queue: a retry whose first try took the free lock, or a late copy of an
+            # earlier ACQUIRE (held up in a cut link) that put the key back after its release. The key's
+            # revisions may then be older than grants made since: TURN writes the token anew.
+            contender.revision, contender.predecessor = own[0].create_revision, None
+            return self._take_turn(attempt, contender)
         if not attempt.blocking:
             contender.may_exist = bool(own)
             return None

@@ -24,6 +24,13 @@ in the TURN that finds it at the head (its create revision dates from when it qu
 tokens other names were granted meanwhile). So every token exceeds every token granted before it,
 for any name of the cluster. The create revision stays the key's identity for release and extend.
 
+Late copies. A request retried on another member may also be applied later through the first one
+(a proposal held up in a cut link, delivered when it heals): a late ACQUIRE can put a released key
+back. So a token is only ever the revision of the write that granted the lock in this call, never a
+revision read back from a key found in place (``EtcdBackend._join`` takes its turn again with TURN).
+A key put back for a slot nobody uses any more waits in its queue, or holds the lock, until this
+process uses the slot again or its session lease ends.
+
 Waiting. A waiter watches only the key just before its own (no herd). The watch starts at the
 member's current revision (a watch starting in the past waits for etcd's 100 ms catch-up loop);
 if that is later than the revision at which the waiter saw the key, it reads the key once more,
