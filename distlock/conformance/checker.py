@@ -7,8 +7,9 @@ comparable across processes on Linux), ``proc``, ``op`` and op-specific fields:
 
 - ``acquire`` (``token``, ``owner``, ``lock``; ``phase`` "invoke", "ok", "fail" or "info" (outcome
   unknown), "ok" if absent: only granted acquisitions count in P1-P3)
-- ``release`` (``owner``, ``lock``; ``phase`` "ok", "fail" or "info"; ``released`` False if the server
-  no longer had the lease); ``lost`` (``owner``, ``lock``): the library declared the lease lost;
+- ``release`` (``owner``, ``lock``; ``phase`` "invoke" (the call starts), "ok", "fail" or "info", "ok"
+  if absent; ``released`` False if the server no longer had the lease); ``lost`` (``owner``, ``lock``):
+  the library declared the lease lost;
   ``expired`` (``owner``, ``lock``, optional ``since``): whoever watched the server saw the lease end,
   at ``t`` at the latest and at ``since`` at the earliest
 - ``cs_enter`` / ``cs_exit`` (``owner``, ``lock``): an un-fenced critical section
@@ -16,8 +17,9 @@ comparable across processes on Linux), ``proc``, ``op`` and op-specific fields:
   its client saw it
 - ``store_commit`` (``row``, ``kind``, ``token``, ``accepted``, ``seq``, ``value``: read by a claim,
   written by a write): a fenced call as the store ordered it
-- ``fault`` (``what``; optional ``target``, ``owner``, ``lock``, ``phase`` "start" or "end",
-  ``ends_leases``): the nemesis acted; ``kill`` (``owner``, ``lock``) a holder was killed. Recovery (P7)
+- ``fault`` (``what``; optional ``target`` or ``targets``: the client processes or servers it hit,
+  ``owner``, ``lock``, ``phase`` "start" or "end", ``ends_leases``): the nemesis acted; ``kill``
+  (``target``, ``owner``, ``lock``) a client was killed. Recovery (P7)
   is measured from each kill, and from each fault that names the ``owner`` it cut off (a pause of the
   holder, its session expired). ``ends_leases`` (on its "start" and "end"): the fault hit the servers
   (a partition, a member killed or paused), which may end any lease held while it lasts, whoever owns
@@ -53,6 +55,11 @@ SEARCH_STEP_LIMIT = 1_000_000
 
 #: Nemesis events: a fault that cuts off a named ``owner`` lets the server end that owner's lease.
 FAULT_OPS = frozenset({"fault", "kill"})
+
+
+def _processes_hit(fault):
+    """Return the names a nemesis event hit (``target``, ``targets``): client processes, or servers."""
+    return {fault.get("target"), *(fault.get("targets") or ())} - {None}
 
 
 def granted(event):
@@ -284,9 +291,11 @@ def expiry_floors(history):
 
 
 def _lock_operations(events, fault_events):
-    """Return ``(operations, leases)`` of one lock from its events and the faults that name its owners."""
+    """Return ``(operations, leases)`` of one lock from its events and the faults that name its owners or hit their
+    processes."""
     operations, leases, current = [], [], {}
     invoked = defaultdict(deque)
+    releasing = {}  # owner -> (proc, call) of a release called and not yet returned: in flight
 
     def add(kind, lease, call, end, token=None):
         operations.append(_Operation(kind, lease, call, end, token))
@@ -307,6 +316,11 @@ def _lock_operations(events, fault_events):
                 server_faults_open[key] += 1
             elif event.get("phase") == "end" and server_faults_open[key]:
                 server_faults_open[key] -= 1
+        if op == "release" and event.get("phase") == "invoke":
+            releasing[owner] = (event.get("proc"), t)
+            continue
+        if op == "release":
+            releasing.pop(owner, None)
         if op == "acquire":
             phase = event.get("phase", "ok")
             if phase == "invoke":
@@ -338,8 +352,15 @@ def _lock_operations(events, fault_events):
         elif op in FAULT_OPS and event.get("ends_leases"):
             for index in current.values():
                 leases[index].endings.append((t, INFINITY))
-        elif op in FAULT_OPS and owner in current:
-            leases[current[owner]].endings.append((t, INFINITY))
+        elif op in FAULT_OPS:
+            if owner in current:
+                leases[current[owner]].endings.append((t, INFINITY))
+            # A release whose process was killed or paused in flight may have reached the server, and
+            # taken effect, any time since its call: another owner may be granted before the fault.
+            hit = _processes_hit(event)
+            for releaser, (proc, call) in releasing.items():
+                if proc in hit and releaser in current:
+                    leases[current[releaser]].endings.append((call, INFINITY))
     for index, lease in enumerate(leases):
         if lease.endings and not lease.releases:
             latest = min(end for _, end in lease.endings)
@@ -490,8 +511,12 @@ def linearizability_violations(history, *, tokens_must_increase=True, step_limit
       An ``expired`` event ends it between its ``since`` (default its ``t``) and its ``t``. A fault or
       kill naming the owner (paused, killed, session expired), or a fault of the servers
       (``ends_leases``) that starts or ends while it holds, lets the server end it any time from then on,
-      and so does a release that failed or was cut short, from its call on; both perhaps
-      after the history (+inf). With several of these, the earliest start and the earliest end count;
+      and so does a release that failed or was cut short, from its call on. A fault that hits the
+      owner's process (``target``, ``targets``) while a release of the lease is in flight (its
+      ``invoke`` recorded, its reply not) does too, from that release's ``invoke`` on; not from the
+      holder's last step, which would excuse a grant made while a holder killed later still held.
+      All perhaps after the history (+inf). With several of these, the earliest start and the
+      earliest end count;
     - without any of these the lease never ends.
 
     Another owner's grant is never evidence that a lease ended: it would explain every double grant.
@@ -499,21 +524,21 @@ def linearizability_violations(history, *, tokens_must_increase=True, step_limit
     may forget grants (``check(forgets_grants=...)``). Each lock is searched on its own (``_search``).
     """
     origin = history[0]["t"] if history else 0
-    by_lock, by_owner = defaultdict(list), defaultdict(list)
-    server_faults = []
+    by_lock, client_faults, server_faults = defaultdict(list), [], []
     for event in history:
         if event["op"] in FAULT_OPS and event.get("ends_leases"):
             server_faults.append(event)
-        elif event["op"] in FAULT_OPS and event.get("owner") is not None:
-            by_owner[event["owner"]].append(event)
+        elif event["op"] in FAULT_OPS:
+            client_faults.append(event)
         elif event["op"] in ("acquire", "release", "lost", "expired") or (
                 event["op"] in HOLDER_STEPS and "lock" in event):
             by_lock[event["lock"]].append(event)
     violations = []
     for lock, events in by_lock.items():
-        owners = {event.get("owner") for event in events}
-        faults = [fault for owner in owners if owner in by_owner for fault in by_owner[owner]
-                  if fault.get("lock") in (None, lock)] + server_faults
+        owners = {event.get("owner") for event in events} - {None}
+        procs = {event.get("proc") for event in events} - {None}
+        faults = [fault for fault in client_faults if fault.get("lock") in (None, lock)
+                  and (fault.get("owner") in owners or not procs.isdisjoint(_processes_hit(fault)))] + server_faults
         operations, leases = _lock_operations(events, faults)
         try:
             failure = _search(operations, leases, tokens_must_increase, step_limit)

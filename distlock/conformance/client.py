@@ -93,6 +93,7 @@ class Client:
         lease = self.leases.pop(name, None)
         if lease is None:
             return {"released": False}
+        self.history.record("release", phase="invoke", lock=name, owner=lease.owner)
         try:
             released = lease.release()
         except Exception as exc:

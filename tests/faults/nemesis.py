@@ -67,10 +67,15 @@ class Deployment:
         return None, None
 
     def lease_of(self, client):
-        """The owner of the lease ``client`` holds on ``lock`` right now, or None: for the fault event to name."""
+        """The owner of the lease ``client`` holds on ``lock`` right now, or None: for the fault event to name.
+
+        A lease whose release is in flight (called, no reply yet) may still be held.
+        """
         last = self.last_event(client)
-        holding = last is not None and (last["op"] in ("cs_enter", "write", "cs_exit")
-                                        or (last["op"] == "acquire" and last.get("phase") == "ok"))
+        if last is None:
+            return None
+        holding = (last["op"] in ("cs_enter", "write", "cs_exit")
+                   or (last["op"], last.get("phase")) in (("acquire", "ok"), ("release", "invoke")))
         return last.get("owner") if holding else None
 
     def last_event(self, client):

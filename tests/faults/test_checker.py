@@ -24,6 +24,11 @@ def release(t, owner, lock="L", released=True, phase="ok"):
             "proc": owner}
 
 
+def release_call(t, owner, lock="L"):
+    """A release call starting, recorded just before the client sends it: in flight until its reply is recorded."""
+    return {"t": t * MS, "op": "release", "phase": "invoke", "owner": owner, "lock": lock, "proc": owner}
+
+
 def lost(t, owner, lock="L"):
     return {"t": t * MS, "op": "lost", "owner": owner, "lock": lock, "proc": owner}
 
@@ -303,6 +308,43 @@ def test_a_killed_holder_lease_may_end_any_time_after_the_kill():
     history = [acquire(0, "A", 1), *section(1, 2, "A")[:1], {"t": 5 * MS, "op": "kill", "owner": "A", "lock": "L"},
                *turn(2005, "B", 2)]
     assert check(history).ok
+
+
+def killed(t, proc, owner=None, lock="L"):
+    """A client process killed, as the soak records it: the nemesis's ``kill`` (naming the lease ``owner`` it held,
+    if any), then the start of its fault."""
+    return [{"t": t * MS, "op": "kill", "target": proc, "owner": owner, "lock": lock if owner else None,
+             "proc": "nemesis"},
+            fault(t + 0.1, "a client killed (SIGKILL)", phase="start", target=proc, targets=[proc], ends_leases=False)]
+
+
+def killed_while_b_is_granted(*, release_called, victim="A", owner="A"):
+    """Soak run 1043's shape: A leaves its section, B is granted 1.2 ms later, and ``victim`` is killed just after;
+    A's history ends there, with its release called (``release_called``) or not, and never acknowledged."""
+    a = [invoke(0, "A"), granted_with_ttl(1, "A", 1, 2), *section(2, 377.6, "A")]
+    b = [invoke(10, "B"), granted_with_ttl(378.8, "B", 2, 2), *section(378.9, 400, "B"), release(401, "B")]
+    return [*a, *([release_call(377.7, "A")] if release_called else []), *b, *killed(378.85, victim, owner)]
+
+
+def test_a_holder_killed_with_its_release_in_flight_may_have_released_it_since_the_call():
+    """Soak seed 2612, run 1043 (Redis, "a client killed (SIGKILL)"): A's release reached Redis, B was granted,
+    and A was killed before it recorded the reply. The checker ended A's lease only from the kill on, after B's
+    grant (P4), although nothing of A happened after its section: the release may have taken effect any time
+    since its call."""
+    verdict = check(killed_while_b_is_granted(release_called=True), only_faults_cause_overlaps=True)
+    assert verdict.ok and verdict.linearizability_violations == [], verdict
+    # The kill need not name the lease: the release in flight says whose it is, the kill's target whose process.
+    assert linearizability_violations(killed_while_b_is_granted(release_called=True, owner=None)) == []
+
+
+def test_only_a_release_in_flight_ends_a_killed_holders_lease_before_the_kill():
+    """Without a release called, A still held the lock when B was granted, and the kill comes after: a double
+    grant, as it is when the kill hits another process than the one whose release is in flight."""
+    for history in (killed_while_b_is_granted(release_called=False),
+                    killed_while_b_is_granted(release_called=True, victim="C", owner=None)):
+        (violation,) = linearizability_violations(history)
+        assert "B got token 2" in violation and "while A held it" in violation
+        assert not check(history).ok
 
 
 def test_a_server_that_forgets_grants_fails_p4_unless_the_scenario_expects_it():

@@ -1,6 +1,7 @@
 """Scenarios 1, 2 and 9 on every backend: a paused holder, a killed holder, contention with short pauses.
 
-They disturb only client processes, so they run on the shared servers (``python -m tests.servers``).
+They disturb only client processes, so they run on the shared servers (``python -m tests.servers``). And what a
+client records of a release, on SQLite.
 """
 
 import pytest
@@ -9,6 +10,7 @@ from distlock.conformance import scenarios
 from distlock.conformance.run import RECOVERY_SLACK
 from tests.faults.conftest import DATABASES
 from tests.faults.targets import SESSION_TIMEOUT, TARGETS
+from tests.faults.test_client_threads import SQLITE
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=DATABASES)]
 
@@ -60,3 +62,16 @@ def test_contention_with_short_pauses(key, fault_run, safety, scale):
     assert result.ok, result.violations
     assert result.acquisitions == clients * iterations
     assert result.overlaps == 0
+
+
+def test_a_release_is_recorded_when_called_and_when_it_returns(fault_run):
+    """The checker needs the release's call too: a holder killed between the two may have released its lock
+    (soak run 1043). The database backend on SQLite: no server needed."""
+    run = fault_run({"under_test": SQLITE[1]}, fenced=False)
+    (client,) = run.spawn("client")
+    name = run.lock_name()
+    owner = client.call("acquire", name=name, ttl=TTL)["owner"]
+    client.call("release", name=name)
+    steps = [(event["op"], event["phase"], event.get("owner")) for event in run.history(lock=name)]
+    assert steps == [("acquire", "invoke", None), ("acquire", "ok", owner), ("release", "invoke", owner),
+                     ("release", "ok", owner)]
