@@ -15,9 +15,13 @@ from distlock.exceptions import BackendUnavailable
 from distlock.handler import locks
 from distlock.redaction import redact
 
-__all__ = ["AliasLocks", "PingResult", "aliases", "find", "held_locks", "ping_all"]
+__all__ = ["AliasLocks", "PAGE_SIZE", "PingResult", "aliases", "describe_failure", "each_held", "find", "held_locks",
+           "ping_all"]
 
 logger = logging.getLogger(__name__)
+
+#: Locks asked for per request when going through an alias's locks page by page (``each_held``).
+PAGE_SIZE = 500
 
 
 @dataclass
@@ -40,7 +44,7 @@ class PingResult:
     foreign: list = field(default_factory=list)
 
 
-def _describe(exc):
+def describe_failure(exc):
     """The failure as shown by ``distlock check`` and the admin page: with no secret in it."""
     if isinstance(exc, (BackendUnavailable, ImproperlyConfigured, ImportError)):
         return redact(f"{type(exc).__name__}: {exc}")
@@ -68,11 +72,28 @@ def held_locks(only=None, *, search=""):
         try:
             held = locks[alias].held_locks()
         except Exception as exc:  # noqa: BLE001 - reported on the alias's own row, see the module docstring
-            entry.error = _describe(exc)
+            entry.error = describe_failure(exc)
         else:
             entry.locks = sorted((info for info in held if needle in info.name.casefold()), key=lambda i: i.name)
         found.append(entry)
     return found
+
+
+def each_held(alias, *, prefix="", limit=None):
+    """Yield the held locks of ``alias`` whose name starts with ``prefix``, ``limit`` at most, page by page.
+
+    However many locks are held, one page of them is in memory at a time. Raises what the backend raises.
+    """
+    backend, cursor, left = locks[alias], None, limit
+    while left is None or left > 0:
+        page = backend.held_locks(prefix, limit=PAGE_SIZE if left is None else min(PAGE_SIZE, left), cursor=cursor)
+        shown = page if left is None else page[:left]  # a Redis page may run over its limit
+        yield from shown
+        if left is not None:
+            left -= len(shown)
+        cursor = page.cursor
+        if cursor is None:
+            return
 
 
 def find(alias, name):
@@ -95,6 +116,6 @@ def ping_all(only=None):
             result.seconds = time.perf_counter() - started
             result.foreign = [redact(record) for record in backend.foreign_records()]
         except Exception as exc:  # noqa: BLE001 - reported per alias: a health probe must name every failure
-            result.error = _describe(exc)
+            result.error = describe_failure(exc)
         results.append(result)
     return results

@@ -14,6 +14,7 @@ from django.contrib.auth.models import User
 from django.core.management import CommandError, call_command
 
 import distlock
+from distlock import inventory
 from distlock.metrics import Recorder
 from tests.conftest import BACKEND_ALIASES, SHARED_ALIASES, alias_params, require_alias
 from tests.servers import free_port
@@ -93,6 +94,23 @@ def test_list_text_and_an_unreachable_alias(down_alias, lock_name):
             run("list")
         out, _ = run("list", "--using", "locmem")
     assert lock_name in out and "token=" in out
+
+
+def test_list_streams_json_lines_of_a_prefix_page_by_page_up_to_the_limit(lock_name, monkeypatch):
+    monkeypatch.setattr(inventory, "PAGE_SIZE", 2)  # five locks come in three pages
+    leases = [distlock.acquire(f"{lock_name}:{index}", ttl=30, using="locmem") for index in range(5)]
+    other = distlock.acquire(f"{lock_name}-other", ttl=30, using="locmem")
+    try:
+        out, _ = run("list", "--using", "locmem", "--prefix", f"{lock_name}:", "--json-lines")
+        assert [json.loads(line)["name"] for line in out.splitlines()] == [lease.name for lease in leases]
+        assert set(json.loads(out.splitlines()[0])) == JSON_FIELDS
+        out, _ = run("list", "--using", "locmem", "--prefix", f"{lock_name}:", "--limit", "3")
+        assert [line.split("\t")[1] for line in out.splitlines()] == [lease.name for lease in leases[:3]]
+        with pytest.raises(CommandError, match="not at least 1"):
+            run("list", "--limit", "0")
+    finally:
+        for lease in [*leases, other]:
+            lease.release()
 
 
 def test_an_unknown_alias_is_named():

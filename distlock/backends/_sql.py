@@ -70,10 +70,11 @@ WHERE held.name = due.name AND held.owner = due.owner AND held.expires_at > cloc
 RETURNING held.name, held.owner
 """
 
+# Listing, one page: the held locks after the name ``after`` (a page's cursor, else ""), by name.
 PG_HELD = """
 SELECT name, owner, token, acquired_at, expires_at, host, pid, task_id FROM distlock_lock
-WHERE expires_at > clock_timestamp() AND left(name, %(prefix_length)s) = %(prefix)s
-ORDER BY name
+WHERE expires_at > clock_timestamp() AND left(name, %(prefix_length)s) = %(prefix)s AND name > %(after)s
+ORDER BY name LIMIT %(limit)s
 """
 
 # Keeps distlock's guard keys apart from the application's own two-key advisory locks ("dlk\0").
@@ -137,7 +138,8 @@ SQLITE_EXTEND_CHUNK = 500
 SQLITE_HELD = """
 SELECT name, owner, token, acquired_at, expires_at, host, pid, task_id FROM distlock_lock
 WHERE expires_at > strftime('%Y-%m-%d %H:%M:%f', 'now') AND substr(name, 1, :prefix_length) = :prefix
-ORDER BY name
+  AND name > :after
+ORDER BY name LIMIT :limit
 """
 
 #: The first SQLite with RETURNING.

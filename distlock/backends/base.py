@@ -58,11 +58,14 @@ __all__ = [
     "INLINE",
     "LATE_GRANTS_LIMIT",
     "LockInfo",
+    "LockPage",
     "NOTIFICATIONS",
     "READ_WRITE",
     "SAFE_FENCING_TOKENS",
     "SUPPORTED_BY",
+    "check_page",
     "operation_words",
+    "page_of",
     "refuse_after_late_grants",
 ]
 
@@ -190,6 +193,39 @@ class LockInfo:
     task_id: str = ""
 
 
+class LockPage(list):
+    """One page of ``held_locks()``: the ``LockInfo`` of held locks, and ``cursor``, which asks for the next page.
+
+    A list, so code written before pages iterates it as before. ``cursor`` is None on the last page.
+    """
+
+    def __init__(self, infos=(), cursor=None):
+        super().__init__(infos)
+        self.cursor = cursor
+
+
+def check_page(limit, cursor):
+    """Raise ``TypeError``/``ValueError`` for a ``held_locks()`` page that no backend could serve, before any I/O."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
+        raise TypeError(f"limit must be a positive int or None, not {type(limit).__name__}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be at least 1, not {limit}")
+    if cursor is not None and not isinstance(cursor, str):
+        raise TypeError(f"cursor must be the str a page's cursor gave, or None, not {type(cursor).__name__}")
+
+
+def page_of(infos, limit, cursor):
+    """Return the ``LockPage`` of the first ``limit`` of ``infos`` by name after the name ``cursor``.
+
+    For backends that read every held lock anyway; the others page on the server.
+    """
+    check_page(limit, cursor)
+    ordered = sorted((info for info in infos if cursor is None or info.name > cursor), key=lambda info: info.name)
+    if limit is None or len(ordered) <= limit:
+        return LockPage(ordered)
+    return LockPage(ordered[:limit], ordered[limit - 1].name)
+
+
 def operation_words(operation):
     """Return ``operation`` as words: a str as it is; a (verb phrase, lock name) pair as "verb phrase 'name'"."""
     return operation if isinstance(operation, str) else f"{operation[0]} {operation[1]!r}"
@@ -219,7 +255,8 @@ class BaseLockBackend:
     ``acquire()`` is one loop for every backend (``_acquire_loop``). A backend implements:
 
     - ``_try_acquire(attempt)``: one try; a ``Grant``, or None while the lock is held;
-    - ``_do_extend(lease, ttl)``, ``release_owned(name, owner)``, ``held_locks(prefix)``, ``ping()``;
+    - ``_do_extend(lease, ttl)``, ``release_owned(name, owner)``, ``held_locks(prefix, limit=, cursor=)``,
+      ``ping()``;
     - ``client_errors`` (the client's exceptions that mean "the server did not answer") and ``_cause(exc)``,
       so that ``translate_errors`` words every failure the same way on every backend.
 
@@ -606,8 +643,12 @@ class BaseLockBackend:
 
     # -- operating -----------------------------------------------------------------------------
 
-    def held_locks(self, prefix=""):
-        """Return the ``LockInfo`` of every lock currently held whose name starts with ``prefix``."""
+    def held_locks(self, prefix="", *, limit=None, cursor=None):
+        """Return a ``LockPage`` of the locks held whose name starts with ``prefix``: every one, or ``limit`` of them.
+
+        Ordered by name (Redis: in ``SCAN`` order, where a page may hold a few more than ``limit``).
+        ``cursor``: the ``cursor`` of the page before, to get the next one; an opaque string.
+        """
         raise NotImplementedError(f"{type(self).__name__} must provide held_locks()")
 
     def release_owned(self, name, owner):

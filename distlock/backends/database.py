@@ -33,7 +33,7 @@ from distlock.backends._sql import (
     table_locked,
 )
 from distlock.backends._sql_pool import ConnectionPool
-from distlock.backends.base import SAFE_FENCING_TOKENS, BaseLockBackend, Grant
+from distlock.backends.base import SAFE_FENCING_TOKENS, BaseLockBackend, Grant, LockPage, check_page
 from distlock.backends.deadlines import request_seconds
 from distlock.backends.green import green_library
 from distlock.backends.options import Option, positive_count, positive_number
@@ -44,6 +44,9 @@ from distlock.holder import current_holder
 logger = logging.getLogger(__name__)
 
 __all__ = ["DatabaseBackend", "lock_database"]
+
+#: The LIMIT of a listing without ``limit``: every row.
+_ALL_ROWS = 2**62
 
 #: The shortest bound of one request, even at or past the caller's deadline: a last try made right at
 #: the deadline (or a non-blocking one) must still be able to wait out another writer's commit.
@@ -331,15 +334,21 @@ class DatabaseBackend(BaseLockBackend):
                              operation=f"extend {len(requests)} lock(s)", urgent=True)
         return [(lease.name, lease.owner) in extended for lease, _ in requests]
 
-    def held_locks(self, prefix=""):
-        rows = self._run(self._dialect.held, {"prefix": prefix, "prefix_length": len(prefix)},
+    def held_locks(self, prefix="", *, limit=None, cursor=None):
+        """One page by name (keyset: the cursor is the page's last name); one row more tells if another follows."""
+        check_page(limit, cursor)
+        rows = self._run(self._dialect.held, {"prefix": prefix, "prefix_length": len(prefix), "after": cursor or "",
+                                              "limit": _ALL_ROWS if limit is None else limit + 1},
                          operation="list held locks")
         aware = self._dialect.aware
-        return [
+        infos = [
             self.lock_info(name, {"owner": owner, "host": host, "pid": pid, "task_id": task_id}, token=token,
                            acquired_at=aware(acquired), expires_at=aware(expires))
             for name, owner, token, acquired, expires, host, pid, task_id in rows
         ]
+        if limit is None or len(infos) <= limit:
+            return LockPage(infos)
+        return LockPage(infos[:limit], infos[limit - 1].name)
 
     def release_owned(self, name, owner):
         self._refuse_self_deadlock(name)

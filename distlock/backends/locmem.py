@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
-from distlock.backends.base import NOTIFICATIONS, SAFE_FENCING_TOKENS, BaseLockBackend, Grant
+from distlock.backends.base import NOTIFICATIONS, SAFE_FENCING_TOKENS, BaseLockBackend, Grant, page_of
 from distlock.holder import Holder, current_holder
 from distlock.waiting import Wakeups
 
@@ -92,15 +92,15 @@ class LocMemBackend(BaseLockBackend):
             record.expires = time.monotonic() + ttl
             return True
 
-    def held_locks(self, prefix=""):
+    def held_locks(self, prefix="", *, limit=None, cursor=None):
         with self._store.lock:
             now, wall_now = time.monotonic(), datetime.now(timezone.utc)
-            return [
+            return page_of([
                 self.lock_info(name, vars(r.holder), owner=r.owner, token=r.token, acquired_at=r.acquired_at,
                                expires_at=wall_now + timedelta(seconds=r.expires - now))
                 for name, r in list(self._store.locks.items())
                 if name.startswith(prefix) and self._live(name, now) is not None
-            ]
+            ], limit, cursor)
 
     def release_owned(self, name, owner):
         store = self._store

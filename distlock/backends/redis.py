@@ -49,7 +49,7 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
 from distlock.backends import _redis
-from distlock.backends.base import NOTIFICATIONS, SAFE_FENCING_TOKENS, BaseLockBackend, Grant, operation_words
+from distlock.backends.base import NOTIFICATIONS, SAFE_FENCING_TOKENS, BaseLockBackend, Grant, LockPage, check_page, operation_words
 from distlock.backends.deadlines import request_seconds
 from distlock.backends.options import Option, positive_count, positive_number
 from distlock.backends.redis_servers import (
@@ -664,18 +664,25 @@ class RedisBackend(BaseLockBackend):
 
     # -- operating -----------------------------------------------------------------------------
 
-    def held_locks(self, prefix=""):
-        """Return every held lock whose name starts with ``prefix``, walking the keys with ``SCAN`` (never ``KEYS``)."""
+    def held_locks(self, prefix="", *, limit=None, cursor=None):
+        """Return held locks whose name starts with ``prefix``, walking the keys with ``SCAN`` (never ``KEYS``).
+
+        A page ends with the ``SCAN`` call that brought it to ``limit`` locks or more; its cursor is
+        ``SCAN``'s, so pages come in ``SCAN`` order, each sorted by name.
+        """
+        check_page(limit, cursor)
         pattern = _redis.glob_escape(self._lock_prefix + prefix) + "*"
-        found, cursor = [], 0
+        count = SCAN_COUNT if limit is None else min(SCAN_COUNT, max(limit, 10))
+        found, scan_cursor = [], int(cursor or 0)
         while True:
-            cursor, keys = self._execute(("SCAN", cursor, "MATCH", pattern, "COUNT", SCAN_COUNT),
-                                         operation="list held locks", timeout=self._request_seconds())
+            scan_cursor, keys = self._execute(("SCAN", scan_cursor, "MATCH", pattern, "COUNT", count),
+                                              operation="list held locks", timeout=self._request_seconds())
             if keys:
                 found.extend(self._describe(keys))
-            cursor = int(cursor)
-            if cursor == 0:
-                return found
+            scan_cursor = int(scan_cursor)
+            if scan_cursor == 0 or (limit is not None and len(found) >= limit):
+                found.sort(key=lambda info: info.name)
+                return LockPage(found, str(scan_cursor) if scan_cursor else None)
 
     def _describe(self, keys):
         """Return the ``LockInfo`` of the locks at ``keys`` that still exist: GET and PTTL in one round trip."""

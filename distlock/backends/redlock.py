@@ -24,7 +24,7 @@ from redis.exceptions import ResponseError
 
 from distlock.backends import _redis
 from distlock.backends._redlock_masters import Job, Master, MasterSkipped, ReleaseListener, Round
-from distlock.backends.base import NOTIFICATIONS, BaseLockBackend, Grant
+from distlock.backends.base import NOTIFICATIONS, BaseLockBackend, Grant, check_page, page_of
 from distlock.backends.deadlines import request_deadline
 from distlock.backends.options import Option, positive_number
 from distlock.backends.redis_servers import redis_server, unsecured, url_problem
@@ -385,8 +385,12 @@ class RedlockBackend(BaseLockBackend):
                                                                  left)
         return grants
 
-    def held_locks(self, prefix=""):
-        """Return the locks held by one owner on a majority of masters (a minority grant is no lock)."""
+    def held_locks(self, prefix="", *, limit=None, cursor=None):
+        """Return the locks held by one owner on a majority of masters (a minority grant is no lock).
+
+        Every master's grants are read, then cut to the page asked for.
+        """
+        check_page(limit, cursor)
         per_master = []
         for master in self.masters:
             try:
@@ -414,7 +418,7 @@ class RedlockBackend(BaseLockBackend):
                 acquired_at=datetime.fromtimestamp(int(fields["acquired_ms"]) / 1000, timezone.utc),
                 expires_at=now + timedelta(milliseconds=lefts[self.quorum - 1]),
             ))
-        return held
+        return page_of(held, limit, cursor)
 
     def release_owned(self, name, owner):
         """Delete ``owner``'s grant of ``name`` on every master; return True if it held a majority of them.

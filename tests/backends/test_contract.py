@@ -194,6 +194,41 @@ def test_release_of_a_lock_owned_by_someone_else_is_refused(lease_alias, lock_na
     assert current.release() is True
 
 
+def test_held_locks_pages_through_every_lock_of_a_prefix_once(backend_alias, lock_name):
+    backend = locks[backend_alias]
+    names = [f"{lock_name}:{index:02}" for index in range(7)]
+    leases = [distlock.acquire(name, ttl=30, using=backend_alias) for name in names]
+    elsewhere = distlock.acquire(f"{lock_name}-other", ttl=30, using=backend_alias)
+    try:
+        pages, cursor = [], None
+        while True:
+            page = backend.held_locks(f"{lock_name}:", limit=3, cursor=cursor)
+            pages.append([info.name for info in page])
+            cursor = page.cursor
+            if cursor is None:
+                break
+            assert len(pages) < 10, "the cursors never end"
+        listed = [name for page in pages for name in page]
+        assert sorted(listed) == names, "every lock of the prefix once, nothing else"
+        assert all(page == sorted(page) for page in pages)
+        assert all(len(page) <= 3 for page in pages[:-1]) or backend_alias in ("redis", "redis_cache"), \
+            "a page of at most limit locks (Redis: what the SCAN calls brought)"
+        everything = backend.held_locks(f"{lock_name}:")
+        assert everything.cursor is None and sorted(info.name for info in everything) == names
+    finally:
+        for lease in [*leases, elsewhere]:
+            lease.release()
+
+
+@pytest.mark.parametrize(("limit", "cursor", "error"), [
+    (0, None, ValueError), (-1, None, ValueError), (1.5, None, TypeError), (True, None, TypeError),
+    (None, 3, TypeError),
+])
+def test_a_page_no_backend_could_serve_is_refused_before_any_io(backend_alias, limit, cursor, error):
+    with pytest.raises(error):
+        locks[backend_alias].held_locks("", limit=limit, cursor=cursor)
+
+
 def test_held_locks_lists_the_holder(backend_alias, lock_name):
     with distlock.lock(lock_name, ttl=10, using=backend_alias) as lease:
         (info,) = locks[backend_alias].held_locks(lock_name)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from urllib.parse import quote, unquote
 
-from distlock.backends.base import NOTIFICATIONS, SAFE_FENCING_TOKENS, BaseLockBackend, Grant
+from distlock.backends.base import NOTIFICATIONS, SAFE_FENCING_TOKENS, BaseLockBackend, Grant, check_page, page_of
 from distlock.backends.deadlines import request_deadline
 from distlock.backends.etcd._transport import (
     MIN_REQUEST_SECONDS, Connection, RequestFailed, SessionGone, hint, prepare_for_green_threads,
@@ -299,8 +299,10 @@ class EtcdBackend(BaseLockBackend):
 
     # -- operating -------------------------------------------------------------------------------
 
-    def held_locks(self, prefix=""):
-        return self._call(lambda job: self._held_locks(prefix))
+    def held_locks(self, prefix="", *, limit=None, cursor=None):
+        """Every key under the prefix is read in one range (ordered by create revision), then cut to the page."""
+        check_page(limit, cursor)
+        return page_of(self._call(lambda job: self._held_locks(prefix)), limit, cursor)
 
     def _held_locks(self, prefix):
         with self.translate_errors("list held locks"):

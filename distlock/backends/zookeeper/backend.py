@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 
 from kazoo.exceptions import ConnectionClosedError, ConnectionLoss, NoAuthError, SessionExpiredError
 
-from distlock.backends.base import NOTIFICATIONS, READ_WRITE, SAFE_FENCING_TOKENS, BaseLockBackend, Grant
+from distlock.backends.base import NOTIFICATIONS, READ_WRITE, SAFE_FENCING_TOKENS, BaseLockBackend, Grant, LockPage, check_page
 from distlock.backends.green import green_library
 from distlock.backends.offload import Abandoned, Offloader
 from distlock.backends.zookeeper.options import OPTIONS, RENAMED_OPTIONS, check_tls_combination, open_access_warnings
@@ -224,22 +224,25 @@ class ZooKeeperBackend(BaseLockBackend):
 
     # -- operating -------------------------------------------------------------------------------
 
-    def held_locks(self, prefix=""):
+    def held_locks(self, prefix="", *, limit=None, cursor=None):
         """Return the holders of every lock under ``KEY_PREFIX`` whose name starts with ``prefix``.
 
         ``acquired_at`` is when the holder's znode was created (server clock); ``expires_at`` is None:
         the ttl lives in the holder's process, the server frees the lock when its session ends.
-        Persistent children are no holders ("Foreign children" in ``protocol``).
+        Persistent children are no holders ("Foreign children" in ``protocol``). A page counts lock
+        names: a read lock's page shows each of its readers.
         """
-        return self._call(lambda job: self._held_locks(prefix))
+        check_page(limit, cursor)
+        return self._call(lambda job: self._held_locks(prefix, limit, cursor))
 
-    def _held_locks(self, prefix):
+    def _held_locks(self, prefix, limit, cursor):
         with self.translate_errors("list held locks"):
             io_deadline = self._session.request_deadline()
             client = self._session.connect(io_deadline)
-            return [self.lock_info(name, read_holder_record(data), token=stat.mzxid,
-                                   acquired_at=datetime.fromtimestamp(stat.ctime / 1000, tz=timezone.utc))
-                    for name, data, stat in holders(self._session, client, prefix, io_deadline)]
+            found, next_cursor = holders(self._session, client, prefix, io_deadline, limit=limit, cursor=cursor)
+            return LockPage([self.lock_info(name, read_holder_record(data), token=stat.mzxid,
+                                            acquired_at=datetime.fromtimestamp(stat.ctime / 1000, tz=timezone.utc))
+                             for name, data, stat in found], next_cursor)
 
     def foreign_records(self):
         """Return a description of every child of a lock's parent that the protocol ignores.

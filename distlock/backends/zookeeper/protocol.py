@@ -447,35 +447,48 @@ def release(session, client, path, io_deadline):
     return True
 
 
-def holders(session, client, prefix, io_deadline):
-    """Return (name, data, stat) of the holders of every lock whose name starts with ``prefix``.
+def holders(session, client, prefix, io_deadline, *, limit=None, cursor=None):
+    """Return the (name, data, stat) of the holders of the locks whose name starts with ``prefix``, by name, and
+    the cursor of the next page: of every such lock, or of the first ``limit`` held after the name ``cursor``.
 
-    Persistent children are no holders ("Foreign children" above).
+    Listing the names takes one request; only the page's locks are read (their children, then their
+    holders' data), ``limit`` names at a time. Persistent children are no holders ("Foreign children" above).
     """
     names = sorted((decode_name(node), node) for node in session.children(client, session.root, io_deadline))
-    listings = [(name, f"{session.root}/{node}", client.get_children_async(f"{session.root}/{node}"))
-                for name, node in names if name.startswith(prefix)]
-    found = []
-    for name, parent, listing in listings:
-        try:
-            children = session.result(listing, io_deadline)
-        except NoNodeError:
-            continue
-        while True:
-            reads = [(child, client.get_async(f"{parent}/{child}")) for child in holders_of(children)]
-            held, foreign = [], set()
-            for child, read in reads:
-                with suppress(NoNodeError):
-                    data, stat = session.result(read, io_deadline)
-                    if stat.ephemeralOwner == 0:
-                        foreign.add(child)
-                    else:
-                        held.append((name, data, stat))
-            if not foreign:
-                break
-            children = [child for child in children if child not in foreign]
-        found.extend(held)
-    return found
+    names = [(name, node) for name, node in names if name.startswith(prefix) and (cursor is None or name > cursor)]
+    step = len(names) if limit is None else limit
+    found, locks_found = [], 0
+    for start in range(0, len(names), max(step, 1)):
+        listings = [(name, f"{session.root}/{node}", client.get_children_async(f"{session.root}/{node}"))
+                    for name, node in names[start:start + step]]
+        for name, parent, listing in listings:
+            held = _holders_of_lock(session, client, name, parent, listing, io_deadline)
+            found.extend(held)
+            locks_found += bool(held)
+            if limit is not None and locks_found == limit:
+                return found, (name if name != names[-1][0] else None)
+    return found, None
+
+
+def _holders_of_lock(session, client, name, parent, listing, io_deadline):
+    """Return the (name, data, stat) of the holders of one lock, from its children's pending ``listing``."""
+    try:
+        children = session.result(listing, io_deadline)
+    except NoNodeError:
+        return []
+    while True:
+        reads = [(child, client.get_async(f"{parent}/{child}")) for child in holders_of(children)]
+        held, foreign = [], set()
+        for child, read in reads:
+            with suppress(NoNodeError):
+                data, stat = session.result(read, io_deadline)
+                if stat.ephemeralOwner == 0:
+                    foreign.add(child)
+                else:
+                    held.append((name, data, stat))
+        if not foreign:
+            return held
+        children = [child for child in children if child not in foreign]
 
 
 def foreign_nodes(session, client, io_deadline):

@@ -1,6 +1,7 @@
 """``manage.py distlock list|release|check|stats|verify``: held locks, force release, health probe, metrics,
 conformance run."""
 
+import argparse
 import getpass
 import json
 import socket
@@ -108,6 +109,24 @@ def _token_warnings(alias, tables):
     ]
 
 
+def _listed(info):
+    """The JSON object ``distlock list`` prints for one lock."""
+    return {"alias": info.alias, "name": info.name, "owner": info.owner, "token": info.token,
+            "acquired_at": _iso(info.acquired_at), "expires_at": _iso(info.expires_at), "host": info.host,
+            "pid": info.pid}
+
+
+def _positive_int(text):
+    """argparse type of ``--limit``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
+
+
 def _iso(moment):
     return None if moment is None else moment.isoformat()
 
@@ -129,7 +148,12 @@ class Command(BaseCommand):
 
         listing = commands.add_parser("list", help="List the locks held on every alias (or one).")
         listing.add_argument("--using", help="only this DISTLOCK alias")
-        listing.add_argument("--json", action="store_true", dest="as_json", help="print a JSON list of objects")
+        listing.add_argument("--prefix", default="", help="only the locks whose name starts with this")
+        listing.add_argument("--limit", type=_positive_int, help="at most this many locks per alias")
+        output = listing.add_mutually_exclusive_group()
+        output.add_argument("--json", action="store_true", dest="as_json", help="print a JSON list of objects")
+        output.add_argument("--json-lines", action="store_true",
+                            help="print one JSON object per line, as the pages come (for scripts)")
 
         release = commands.add_parser(
             "release", help="Delete a lock another process holds; its holder finds out at its next renewal.")
@@ -173,27 +197,28 @@ class Command(BaseCommand):
 
     # -- list --------------------------------------------------------------------------------
 
-    def handle_list(self, *, using, as_json, **options):
-        found = inventory.held_locks(using)
-        rows = [info for entry in found for info in entry.locks]
+    def handle_list(self, *, using, as_json, json_lines, prefix, limit, **options):
+        """Print the held locks page by page, as they are read: one page in memory at a time (but for ``--json``)."""
+        listed, errors, shown = [], [], 0
+        for alias in inventory.aliases(using):
+            try:
+                for info in inventory.each_held(alias, prefix=prefix, limit=limit):
+                    shown += 1
+                    if as_json:
+                        listed.append(_listed(info))
+                    elif json_lines:
+                        self.stdout.write(json.dumps(_listed(info)))
+                    else:
+                        holder = f"{info.host or '?'}:{info.pid if info.pid is not None else '?'}"
+                        self.stdout.write(f"{info.alias}\t{info.name}\ttoken={info.token}\towner={info.owner}\t"
+                                          f"acquired={_iso(info.acquired_at)}\texpires={_iso(info.expires_at)}\t{holder}")
+            except Exception as exc:  # noqa: BLE001 - reported per alias: one broken alias hides no other
+                errors.append((alias, inventory.describe_failure(exc)))
         if as_json:
-            self.stdout.write(json.dumps([
-                {"alias": info.alias, "name": info.name, "owner": info.owner, "token": info.token,
-                 "acquired_at": _iso(info.acquired_at), "expires_at": _iso(info.expires_at),
-                 "host": info.host, "pid": info.pid}
-                for info in rows
-            ], indent=2))
-        else:
-            for entry in found:
-                if entry.error:
-                    continue
-                for info in entry.locks:
-                    holder = f"{info.host or '?'}:{info.pid if info.pid is not None else '?'}"
-                    self.stdout.write(f"{info.alias}\t{info.name}\ttoken={info.token}\towner={info.owner}\t"
-                                      f"acquired={_iso(info.acquired_at)}\texpires={_iso(info.expires_at)}\t{holder}")
-            if not rows:
-                self.stdout.write("No lock held.")
-        self._fail_on_errors([(entry.alias, entry.error) for entry in found if entry.error])
+            self.stdout.write(json.dumps(listed, indent=2))
+        elif not json_lines and not shown:
+            self.stdout.write("No lock held.")
+        self._fail_on_errors(errors)
 
     def _fail_on_errors(self, errors):
         for alias, error in errors:
