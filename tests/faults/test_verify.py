@@ -38,8 +38,10 @@ def test_verify_prints_the_table_and_passes_on_a_sound_backend(alias, store_data
     assert all(row[-1].startswith("ok") for row in cells), lines
 
 
+@long_only
 def test_verify_fails_on_a_backend_whose_tokens_do_not_fence(store_database, children_use_test_databases,
                                                               monkeypatch, capsys):
+    """make test's own proof that a broken backend is caught is the soak's (``test_soak``), in half the time."""
     broken = {"BACKEND": "tests.faults.broken.ConstantTokenBackend", "OPTIONS": {"DATABASE": store_database}}
     monkeypatch.setenv("DJANGO_SETTINGS_MODULE", "tests.faults.settings")
     monkeypatch.setenv("DISTLOCK_FAULTS_ALIASES", json.dumps({"broken": broken}))
