@@ -733,7 +733,8 @@ def test_forks_of_a_process_busy_with_etcd_work_in_the_child_and_leave_the_paren
     assert report["extended"] is True and report["check"] == "ok", report
     assert report["same_session"] and report["fresh_session"], report
     assert report["released"] == [True, True], report
-    assert report["error_count"] == 0 and report["cycles"] > 0, report
+    assert report["cycles"] > 0, report
+    assert report["error_count"] == 0, report["errors"]  # the errors themselves: a dict this long is cut short
 
 
 def test_an_inherited_backend_in_a_forked_child_leaves_the_parent_s_locks_alone(configure, cluster, prefix, lock_name):
