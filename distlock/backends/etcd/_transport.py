@@ -10,7 +10,6 @@ with ``translate_errors``. Nothing here raises ``BackendUnavailable``.
 """
 
 import logging
-import math
 import os
 import threading
 import time
@@ -154,7 +153,6 @@ class _Channel:
             "LeaseGrant": ("unary_unary", etcdrpc.LeaseGrantRequest, etcdrpc.LeaseGrantResponse),
             "LeaseRevoke": ("unary_unary", etcdrpc.LeaseRevokeRequest, etcdrpc.LeaseRevokeResponse),
             "LeaseKeepAlive": ("stream_stream", etcdrpc.LeaseKeepAliveRequest, etcdrpc.LeaseKeepAliveResponse),
-            "LeaseTimeToLive": ("unary_unary", etcdrpc.LeaseTimeToLiveRequest, etcdrpc.LeaseTimeToLiveResponse),
         })
         self.watch = _Service(self.channel, "Watch", {
             "Watch": ("stream_stream", etcdrpc.WatchRequest, etcdrpc.WatchResponse),
@@ -225,9 +223,6 @@ class Connection:
         self.order = order
         #: The cluster id the first KV reply showed; another one later means another cluster.
         self._cluster_id = None
-        #: ``time.monotonic()`` when a request last went unanswered (timed out, or its member went away):
-        #: such a request may still be applied later, once a cut link heals.
-        self.answer_lost_at = -math.inf
         self._channels = None
         self._current = 0
         self._reset_state()
@@ -322,8 +317,6 @@ class Connection:
                     if generation != self._generation:
                         continue  # a fork closed the channel under the call: send it again on a new one
                     code, details = exc.code(), exc.details() or ""
-                    if code in _RETRIED_CODES:
-                        self.answer_lost_at = time.monotonic()
                     if code is grpc.StatusCode.NOT_FOUND and "lease not found" in details:
                         raise SessionGone(details, code, details) from exc
                     if _INVALID_TOKEN in details and not renewed_token:
@@ -396,12 +389,6 @@ class Connection:
     def revoke_lease(self, lease_id, deadline):
         return self.call(lambda channel, timeout, metadata: channel.lease.LeaseRevoke(
             etcdrpc.LeaseRevokeRequest(ID=lease_id), timeout=timeout, metadata=metadata), deadline)
-
-    def keys_of_lease(self, lease_id, deadline):
-        """Return the keys attached to lease ``lease_id`` (empty once etcd no longer has the lease)."""
-        return self.call(lambda channel, timeout, metadata: channel.lease.LeaseTimeToLive(
-            etcdrpc.LeaseTimeToLiveRequest(ID=lease_id, keys=True), timeout=timeout, metadata=metadata),
-            deadline).keys
 
     def keep_alive(self, lease_id, deadline):
         """Refresh the lease once; return its TTL as etcd reports it (0 or less: etcd no longer has it)."""

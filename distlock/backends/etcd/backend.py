@@ -109,7 +109,7 @@ class EtcdBackend(BaseLockBackend):
         self._request_timeout = settings["REQUEST_TIMEOUT"]
         self._connection = Connection(alias, endpoints_of(settings), self._request_timeout, security_of(settings),
                                       self.token_order)
-        self._keeper = Keeper(alias, self._connection, settings["LEASE_TTL"], self._prefix)
+        self._keeper = Keeper(alias, self._connection, settings["LEASE_TTL"])
         self._offload = Offloader(alias, f"distlock-etcd-runner:{alias}", green_library())
         _KEEPERS.add(self._keeper)
 

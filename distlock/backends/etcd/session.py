@@ -3,8 +3,7 @@
 One etcd lease per backend per process carries every key the process owns (like etcd's
 ``concurrency.Session``): granted at the first acquisition, kept alive every TTL/3 by a background
 loop, which also deletes leftovers (keys an attempt or a release could not delete while the
-cluster did not answer) and stray keys (put back by a late copy of an earlier request, see
-``transactions``: keys of the session in a slot no call of this process is using). The per-call ttl of each held key is a deadline of a ``DeadlineTimer``:
+cluster did not answer). The per-call ttl of each held key is a deadline of a ``DeadlineTimer``:
 once it passes, unless an extension is in flight, the key becomes a leftover the loop deletes.
 """
 
@@ -16,7 +15,6 @@ import time
 import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
-from urllib.parse import unquote
 
 from distlock.backends.deadlines import DeadlineTimer, request_deadline
 from distlock.backends.etcd._transport import MIN_REQUEST_SECONDS, RequestFailed, SessionGone
@@ -29,13 +27,6 @@ __all__ = ["Held", "Keeper", "Session"]
 
 #: Seconds between two rounds of deleting leftovers while some are left.
 _LEFTOVER_RETRY = 0.5
-#: Seconds between two looks for stray keys: while a request went unanswered within ``_STRAY_WATCH``
-#: seconds (its late copy may still come), and otherwise.
-_STRAY_SWEEP_SOON = 1.0
-_STRAY_SWEEP_LATER = 60.0
-_STRAY_WATCH = 60.0
-#: The owner of a slot while the background loop deletes a stray key in it: no acquire call may take it.
-_SWEEPER = "distlock-etcd-stray-sweep"
 
 
 class Session:
@@ -103,9 +94,8 @@ class Keeper:
     during I/O.
     """
 
-    def __init__(self, alias, connection, lease_ttl, prefix):
+    def __init__(self, alias, connection, lease_ttl):
         self._alias = alias
-        self._prefix = prefix
         self._connection = connection
         self._lease_ttl = lease_ttl
         self._timer = DeadlineTimer(_weakly(self._expired), name=f"distlock-etcd-ttl:{alias}")
@@ -119,7 +109,6 @@ class Keeper:
         self._expiries = {}  # Held -> _Expiry
         self._leftovers = {}  # key -> Held
         self._leftover_leases = set()
-        self._last_sweep = time.monotonic()
         self._daemon = self._wake = self._stop = None
 
     def after_fork_in_child(self):
@@ -353,13 +342,9 @@ class Keeper:
                 self._keep_alive(session)
         session = self.session
         next_keepalive = session.next_keepalive if session is not None else math.inf
-        budget = min(time.monotonic() + self._connection.timeout, max(next_keepalive, time.monotonic() + 0.2))
-        self._delete_leftovers(budget)
-        next_sweep = self._next_sweep()
-        if session is not None and time.monotonic() >= next_sweep:
-            self._sweep_strays(session, budget)
-            next_sweep = self._next_sweep()
-        due = [next_keepalive, next_sweep]
+        self._delete_leftovers(min(time.monotonic() + self._connection.timeout,
+                                   max(next_keepalive, time.monotonic() + 0.2)))
+        due = [next_keepalive]
         with self.lock:
             if self._leftovers or self._leftover_leases:
                 due.append(time.monotonic() + _LEFTOVER_RETRY)
@@ -393,44 +378,6 @@ class Keeper:
                 return
             with self.lock:
                 self._leftover_leases.discard(lease_id)
-
-    def _next_sweep(self):
-        recently_lost = time.monotonic() - self._connection.answer_lost_at < _STRAY_WATCH
-        return self._last_sweep + (_STRAY_SWEEP_SOON if recently_lost else _STRAY_SWEEP_LATER)
-
-    def _sweep_strays(self, session, deadline):
-        """Delete the keys of ``session`` in slots no acquire call of this process is using.
-
-        Such a key was put back by a late copy of a request this process has moved on from; left
-        alone it would hold its lock, or block its queue, until the session ends. Its slot is taken
-        while it is deleted, so that no acquire call adopts the key meanwhile.
-        """
-        self._last_sweep = time.monotonic()
-        try:
-            keys = self._connection.keys_of_lease(session.id, deadline)
-        except RequestFailed as exc:  # SessionGone included: the keepalive finds that out
-            logger.info("etcd alias '%s': could not look for stray keys (%s)", self._alias, exc)
-            return
-        strays = []
-        with self.lock:
-            for key in keys:
-                quoted_name, _, own_part = key[len(self._prefix):].rpartition(b"/")
-                name, slot = unquote(quoted_name.decode()), int(own_part.rpartition(b"-")[2])
-                taken = session.slots.setdefault(name, {})
-                if slot not in taken:
-                    taken[slot] = _SWEEPER
-                    strays.append(Held(key, None, session, name, slot, _SWEEPER))
-        for stray in strays:
-            try:
-                self._connection.delete(stray.key, deadline)
-                logger.warning("etcd alias '%s': deleted the stray key %r of lock %r (put back by a late copy "
-                               "of an earlier request)", self._alias, stray.key, stray.name)
-            except RequestFailed as exc:
-                logger.info("etcd alias '%s': could not delete the stray key %r yet (%s)", self._alias,
-                            stray.key, exc)
-            finally:
-                with self.lock:
-                    self._free_slot(stray)
 
     def close(self):
         """Stop the background work and revoke the session lease: every lock held through it is freed and lost."""
