@@ -64,6 +64,7 @@ __all__ = [
     "SAFE_FENCING_TOKENS",
     "SUPPORTED_BY",
     "check_page",
+    "cut_page",
     "operation_words",
     "page_of",
     "refuse_after_late_grants",
@@ -220,7 +221,12 @@ def page_of(infos, limit, cursor):
     For backends that read every held lock anyway; the others page on the server.
     """
     check_page(limit, cursor)
-    ordered = sorted((info for info in infos if cursor is None or info.name > cursor), key=lambda info: info.name)
+    return cut_page(sorted((info for info in infos if cursor is None or info.name > cursor),
+                           key=lambda info: info.name), limit)
+
+
+def cut_page(ordered, limit):
+    """Return the ``LockPage`` of the first ``limit`` of ``ordered`` (by name); its cursor is its last name."""
     if limit is None or len(ordered) <= limit:
         return LockPage(ordered)
     return LockPage(ordered[:limit], ordered[limit - 1].name)

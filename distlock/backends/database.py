@@ -33,7 +33,7 @@ from distlock.backends._sql import (
     table_locked,
 )
 from distlock.backends._sql_pool import ConnectionPool
-from distlock.backends.base import SAFE_FENCING_TOKENS, BaseLockBackend, Grant, LockPage, check_page
+from distlock.backends.base import SAFE_FENCING_TOKENS, BaseLockBackend, Grant, check_page, cut_page
 from distlock.backends.deadlines import request_seconds
 from distlock.backends.green import green_library
 from distlock.backends.options import Option, positive_count, positive_number
@@ -334,14 +334,11 @@ class DatabaseBackend(BaseLockBackend):
                                               "limit": _ALL_ROWS if limit is None else limit + 1},
                          operation="list held locks")
         aware = self._dialect.aware
-        infos = [
+        return cut_page([
             self.lock_info(name, {"owner": owner, "host": host, "pid": pid, "task_id": task_id}, token=token,
                            acquired_at=aware(acquired), expires_at=aware(expires))
             for name, owner, token, acquired, expires, host, pid, task_id in rows
-        ]
-        if limit is None or len(infos) <= limit:
-            return LockPage(infos)
-        return LockPage(infos[:limit], infos[limit - 1].name)
+        ], limit)
 
     def release_owned(self, name, owner):
         self._refuse_self_deadlock(name)

@@ -49,7 +49,9 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
 from distlock.backends import _redis
-from distlock.backends.base import NOTIFICATIONS, SAFE_FENCING_TOKENS, BaseLockBackend, Grant, LockPage, check_page, operation_words
+from distlock.backends.base import (
+    NOTIFICATIONS, SAFE_FENCING_TOKENS, BaseLockBackend, Grant, LockPage, check_page, operation_words,
+)
 from distlock.backends.deadlines import request_seconds
 from distlock.backends.options import Option, positive_count, positive_number
 from distlock.backends.redis_servers import (

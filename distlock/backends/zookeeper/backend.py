@@ -14,7 +14,9 @@ from datetime import datetime, timezone
 
 from kazoo.exceptions import ConnectionClosedError, ConnectionLoss, NoAuthError, SessionExpiredError
 
-from distlock.backends.base import NOTIFICATIONS, READ_WRITE, SAFE_FENCING_TOKENS, BaseLockBackend, Grant, LockPage, check_page
+from distlock.backends.base import (
+    NOTIFICATIONS, READ_WRITE, SAFE_FENCING_TOKENS, BaseLockBackend, Grant, LockPage, check_page,
+)
 from distlock.backends.green import green_library
 from distlock.backends.offload import Abandoned, Offloader
 from distlock.backends.zookeeper.options import OPTIONS, RENAMED_OPTIONS, check_tls_combination, open_access_warnings
