@@ -42,6 +42,7 @@ __all__ = [
     "granted",
     "linearizability_violations",
     "lost_writes",
+    "overlap_excerpts",
     "stale_reads",
 ]
 
@@ -156,6 +157,29 @@ def critical_section_overlaps(history):
         if earlier[1] != INFINITY:
             max_overlap = max(max_overlap, (min(earlier[1], later[1]) - later[0]) / 1e6)
     return overlaps, max_overlap
+
+
+def overlap_excerpts(history, *, margin_ms=500):
+    """Return, per overlap of ``critical_section_overlaps``, the events around it as text: what a report of
+    a failed run needs to tell its cause (a history folder may not outlive the run, in CI say).
+
+    Each excerpt holds the lock's events and the nemesis's faults from ``margin_ms`` before the earlier
+    section starts to ``margin_ms`` after the later one enters, times in ms since the history's first event.
+    """
+    history = sorted(history, key=lambda event: event["t"])
+    origin = history[0]["t"] if history else 0
+    margin = margin_ms * 1e6
+    excerpts = []
+    for lock, earlier, later in _overlapping_pairs(_critical_sections(history)[0]):
+        first, last = earlier[0] - margin, later[0] + margin
+        lines = [f"lock {lock!r}: {earlier[2]} in its section from {_milliseconds(earlier[0], origin)}, "
+                 f"{later[2]} entered at {_milliseconds(later[0], origin)}"]
+        for event in history:
+            if first <= event["t"] <= last and (event.get("lock") == lock or event["op"] in FAULT_OPS):
+                fields = {key: value for key, value in event.items() if key not in ("t", "lock")}
+                lines.append(f"  {_milliseconds(event['t'], origin)} {fields}")
+        excerpts.append("\n".join(lines))
+    return excerpts
 
 
 def _fault_windows(history):

@@ -5,7 +5,7 @@ import time
 from itertools import count
 from pathlib import Path
 
-from distlock.conformance.checker import check
+from distlock.conformance.checker import check, classify_overlaps, overlap_excerpts
 from distlock.conformance.history import History, load
 from distlock.conformance.process import ClientProcess
 from distlock.conformance.report import Result
@@ -166,12 +166,16 @@ class Run:
                 problems.append("refused writes counted differently by the history, the rejection log and the metric")
         if expect_overlap and verdict.unexplained_overlaps:
             problems.extend(f"overlap no fault explains: {text}" for text in verdict.unexplained_overlaps)
+            problems.extend(overlap_excerpts(history))
         elif expect_overlap and verdict.overlaps:
             result.notes.append(f"overlaps expected: {expect_overlap}")
         elif expect_overlap:
             result.notes.append(f"no overlap, although {expect_overlap}")
         elif verdict.overlaps:
             problems.append(f"{verdict.overlaps} overlapping critical section(s) without any fault")
+            explained = classify_overlaps(history)[0]
+            problems.extend(f"what the nemesis or a lost lease would explain: {text}" for text in explained)
+            problems.extend(overlap_excerpts(history))
         if recovery_bound is not None:
             slow = [ms for ms in verdict.recovery_ms if ms > recovery_bound * 1000]
             if slow:

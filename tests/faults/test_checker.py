@@ -4,7 +4,9 @@ import json
 import random
 from pathlib import Path
 
-from distlock.conformance.checker import check, classify_overlaps, linearizability_violations, lost_writes, stale_reads
+from distlock.conformance.checker import (
+    check, classify_overlaps, linearizability_violations, lost_writes, overlap_excerpts, stale_reads,
+)
 
 MS = 1_000_000
 
@@ -69,6 +71,20 @@ def test_kleppmann_timeline_one_overlap_and_one_correct_rejection():
     assert verdict.overlaps == 1 and verdict.max_overlap_ms == 200
     assert verdict.ok and verdict.rejections == 1
     assert verdict.linearizability_violations == verdict.unexplained_overlaps == []
+
+
+def test_an_overlap_comes_with_the_events_around_it():
+    """A failed run's report must tell what led to an overlap: its history folder may be gone (CI)."""
+    history = [*turn(0, "C", 30), acquire(5000, "A", 33), *section(5010, 5300, "A"),
+               fault(5050, "kill member", target="m1", ends_leases=True), acquire(5100, "B", 34),
+               *section(5110, 5200, "B"), lost(5150, "A"), *turn(9000, "C", 35), *turn(100, "D", 31, lock="M")]
+    (excerpt,) = overlap_excerpts(history)
+    lines = excerpt.splitlines()
+    assert lines[0] == "lock 'L': A in its section from 5010.0 ms, B entered at 5110.0 ms"
+    times = [float(line.split()[0]) for line in lines[1:]]
+    assert times == sorted(times) and times[0] == 5000.0 and times[-1] == 5300.0
+    assert any("'kill member'" in line for line in lines) and any("'lost'" in line for line in lines)
+    assert overlap_excerpts([*turn(0, "A", 1), *turn(20, "B", 2)]) == []
 
 
 def test_stale_write_accepted_is_caught():
