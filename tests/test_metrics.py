@@ -22,6 +22,7 @@ from distlock.metrics.recorder import OTHER_PREFIX, PERIOD
 from distlock.models import FencingRejection, MetricSample
 from tests.conftest import LONG, require_alias
 from tests.metrics_workers import spawn
+from tests.servers import wait_until
 from tests.workers import read_events
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
@@ -167,6 +168,31 @@ def test_old_minutes_are_folded_into_since_start_totals(store_database, alias):
     assert periods == {0, int(now // PERIOD) * PERIOD} or periods == {0, int(now // PERIOD) * PERIOD + PERIOD}
     assert report.summarize(None, alias=alias).rows[0].attempts == 7
     assert report.summarize(900, alias=alias).rows[0].attempts == 2
+
+
+class NowhereRouter:
+    """Routes distlock's models to a database that is not configured (system check distlock.E006)."""
+
+    def db_for_write(self, model, **hints):
+        return "nowhere" if model._meta.app_label == "distlock" else None
+
+
+def test_settings_the_thread_cannot_read_leave_it_folding_once_it_can(settings, alias, caplog):
+    """A CI run crashed the metrics thread: a router that named no database made its settings raise in
+    the thread, which died, and events would have piled up unfolded for the life of the process."""
+    recorder = Recorder()
+    acquire_n(recorder, alias, "job:1", 1)  # starts the thread
+    routers = settings.DATABASE_ROUTERS
+    with caplog.at_level(logging.WARNING, logger="distlock.metrics.recorder"):
+        settings.DATABASE_ROUTERS = [f"{__name__}.NowhereRouter"]
+        acquire_n(recorder, alias, "job:2", 1)
+        wait_until(lambda: any("could not be folded or flushed" in record.getMessage() for record in caplog.records),
+                   10, "the thread's warning")
+    assert recorder._thread.is_alive()  # noqa: SLF001 - the thread itself is the subject
+    settings.DATABASE_ROUTERS = routers
+    wait_until(lambda: not recorder._acquisitions, 10, "the thread folding the events")  # noqa: SLF001
+    assert sum(count for (_period, row_alias, _prefix, name, _bucket), count in recorder.pending().items()
+               if row_alias == alias and name == series.ATTEMPTS) == 2
 
 
 def test_a_failed_flush_keeps_the_counts(alias, django_db_blocker):

@@ -389,17 +389,42 @@ class Recorder:
         self._thread.start()
 
     def _run(self):
-        next_flush = time.monotonic() + conf.get().flush_interval
-        while not self._stopped.wait(max(0.0, min(DRAIN_INTERVAL, next_flush - time.monotonic()))):
-            if time.monotonic() < next_flush or sqlite_memory(conf.get().database) == SHARED_MEMORY:
-                # On Django's in-memory SQLite test database a flush from this thread would make the
-                # tests' own writes fail ("database table is locked"): only an explicit flush() writes.
-                self.drain()
-                continue
-            self._flush_logging_errors()
-            # Do not keep a connection open between flushes (it would block dropping a test database).
-            connections.close_all()
-            next_flush = time.monotonic() + conf.get().flush_interval
+        next_flush = None  # set by the first tick that can read the settings
+        while not self._stopped.wait(DRAIN_INTERVAL if next_flush is None
+                                     else max(0.0, min(DRAIN_INTERVAL, next_flush - time.monotonic()))):
+            try:
+                next_flush = self._tick(next_flush)
+            except Exception:  # noqa: BLE001 - the thread must outlive it, see below
+                # Settings that cannot be read (a router naming no database, which `manage.py check`
+                # reports as distlock.E006) must not end the thread: the events stay buffered, and are
+                # folded and flushed once the settings are readable again.
+                self._warn_now_and_then("Lock metrics could not be folded or flushed; keeping them and retrying "
+                                        "every second (`manage.py check` reports a bad setting).")
+
+    def _tick(self, next_flush):
+        """Fold, and flush once ``next_flush`` (monotonic; None: not known yet) has come; return the next one."""
+        settings = conf.get()
+        if next_flush is None:
+            next_flush = time.monotonic() + settings.flush_interval
+        if time.monotonic() < next_flush or sqlite_memory(settings.database) == SHARED_MEMORY:
+            # On Django's in-memory SQLite test database a flush from this thread would make the
+            # tests' own writes fail ("database table is locked"): only an explicit flush() writes.
+            self.drain()
+            return next_flush
+        self._flush_logging_errors()
+        # Do not keep a connection open between flushes (it would block dropping a test database).
+        connections.close_all()
+        return time.monotonic() + conf.get().flush_interval
+
+    def _warn_now_and_then(self, message):
+        """Log ``message`` with its traceback as a warning at most every ``WARN_EVERY`` seconds, else at DEBUG."""
+        now = time.monotonic()
+        level = logging.WARNING
+        if self._last_warning is not None and now - self._last_warning < WARN_EVERY:
+            level = logging.DEBUG
+        else:
+            self._last_warning = now
+        logger.log(level, message, exc_info=True)
 
     def _flush_at_exit(self):
         self._stopped.set()
