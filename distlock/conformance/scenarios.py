@@ -58,11 +58,13 @@ def _expiry(ttl, acquired):
 
 
 def contention(run, backend, *, clients=8, iterations=25, ttl=CONTENTION_TTL, seed=0, fault=None,
-               scenario="contention"):
+               scenario="contention", expect_overlap=False):
     """``clients`` processes x ``iterations`` acquisitions of one lock, with short random pauses.
 
     ``fault`` (a callable) runs once the clients contend, for scenarios that break a server meanwhile:
-    acquisitions that fail during it are then reported, not violations.
+    acquisitions that fail during it are then reported, not violations. ``expect_overlap``: as
+    ``Run.judge`` takes it, why the fault may let critical sections overlap (each overlap must then be
+    explained by it or by a lease declared lost); False: none may.
     """
     procs = run.spawn(*[f"contender-{i}" for i in range(clients)])
     name = run.lock_name()
@@ -80,7 +82,7 @@ def contention(run, backend, *, clients=8, iterations=25, ttl=CONTENTION_TTL, se
         stop.set()
         nemesis.join()
     run.close()
-    result = run.judge(scenario, backend, clients, expect_overlap=False)
+    result = run.judge(scenario, backend, clients, expect_overlap=expect_overlap)
     failed = sum(count["failed"] for count in counts)
     if failed and fault is None:
         result.violations.append(f"{failed} acquisition(s) failed with no fault injected")
