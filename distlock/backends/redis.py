@@ -246,6 +246,19 @@ def _text(value):
     return value.decode() if isinstance(value, bytes) else value
 
 
+def _scan_cursor(cursor):
+    """Return the ``SCAN`` cursor a page's ``cursor`` stands for (0: the first page); ``ValueError`` if no page gave it.
+
+    Checked before any I/O: the server would refuse a cursor past 64 bits as an error reply, and a
+    cursor from a URL (the admin page) is the caller's input, not a failure of the server.
+    """
+    if not cursor:
+        return 0
+    if not (cursor.isascii() and cursor.isdigit()) or int(cursor) >= 2**64:
+        raise ValueError(f"cursor {cursor!r} is no page's: a SCAN cursor is a decimal number below 2**64")
+    return int(cursor)
+
+
 class RedisBackend(BaseLockBackend):
     """Locks on a single Redis server: one script round trip per acquire and per release.
 
@@ -631,7 +644,7 @@ class RedisBackend(BaseLockBackend):
         check_page(limit, cursor)
         pattern = _redis.glob_escape(self._lock_prefix + prefix) + "*"
         count = SCAN_COUNT if limit is None else min(SCAN_COUNT, max(limit, 10))
-        found, scan_cursor = [], int(cursor or 0)
+        found, scan_cursor = [], _scan_cursor(cursor)
         while True:
             scan_cursor, keys = self._execute(("SCAN", scan_cursor, "MATCH", pattern, "COUNT", count),
                                               operation="list held locks", timeout=self._request_seconds())

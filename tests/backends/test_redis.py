@@ -274,6 +274,15 @@ def test_held_locks_scans_and_matches_the_prefix_literally(own_alias, own_client
     assert backend.held_locks("many:") == []
 
 
+def test_a_cursor_no_scan_gave_is_refused_before_any_io(own_alias, own_client):
+    own_client.config_resetstat()
+    for cursor in ("next", "-1", "+5", " 5", "５", str(2**64)):
+        with pytest.raises(ValueError, match="no page's"):
+            locks[own_alias].held_locks("", limit=5, cursor=cursor)
+    assert "cmdstat_scan" not in own_client.info("commandstats")
+    assert locks[own_alias].held_locks("", cursor=str(2**64 - 1)).cursor is None, "the largest is SCAN's to judge"
+
+
 # -- connections and errors -------------------------------------------------------------------------
 
 def test_cache_option_reuses_the_django_redis_pool(lock_name, monkeypatch):
