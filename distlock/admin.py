@@ -45,7 +45,8 @@ FORCE_RELEASE_PERMISSION = "distlock.force_release_lock"
 RECENT_REJECTIONS = 20
 #: Minutes in the acquisitions/contention chart.
 CHART_MINUTES = 60
-#: Locks listed per alias; beyond it the page says how many more there are (narrow with the search).
+#: Locks asked of each alias per page; a "Next page" link follows when it holds more. A Redis page may
+#: hold a few more (as its last ``SCAN`` brought), a ZooKeeper page each reader of a read lock.
 ROWS_PER_ALIAS = 500
 
 
@@ -167,9 +168,11 @@ class HeldLocksAdmin(ReadOnlyAdmin):
     def _release_url(self):
         return reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_force_release")
 
-    def _changelist_url(self, alias=None, search=""):
+    def _changelist_url(self, alias=None, search="", cursor=None):
+        # A cursor is a backend's page position (a lock name, a SCAN cursor), never an owner id.
         url = reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist")
-        query = urlencode({key: value for key, value in (("alias", alias), ("q", search)) if value})
+        query = urlencode({key: value for key, value in (("alias", alias), ("q", search), ("cursor", cursor))
+                           if value})
         return f"{url}?{query}" if query else url
 
     def changelist_view(self, request, extra_context=None):
@@ -179,17 +182,27 @@ class HeldLocksAdmin(ReadOnlyAdmin):
         if alias is not None and alias not in get_config():
             messages.error(request, _("There is no alias %(alias)r in settings.DISTLOCK.") % {"alias": alias})
             alias = None
+        # The search is a name prefix, so each backend filters on its server (the prefix of its keys).
         search = request.GET.get("q", "").strip()
+        cursor = request.GET.get("cursor") or None
+        if cursor is not None and alias is None:
+            messages.error(request, _("A page of locks belongs to one alias; showing the first page of each."))
+            cursor = None
         # Owner ids are capabilities: only users who may force-release see them (in POST forms, never URLs).
         can_release = request.user.has_perm(FORCE_RELEASE_PERMISSION)
         now = datetime.now(UTC)
         groups = []
-        for entry in inventory.held_locks(alias, search=search):
+        for entry in inventory.held_locks(alias, prefix=search, limit=ROWS_PER_ALIAS, cursor=cursor):
             rows = []
-            for info in entry.locks[:ROWS_PER_ALIAS]:
+            for info in entry.locks:
                 remaining = (info.expires_at - now).total_seconds() if info.expires_at else None
                 rows.append({"info": info, "remaining": remaining})
-            groups.append({"entry": entry, "rows": rows, "hidden": max(len(entry.locks) - ROWS_PER_ALIAS, 0)})
+            groups.append({
+                "entry": entry,
+                "rows": rows,
+                "next_url": self._changelist_url(entry.alias, search, entry.cursor) if entry.cursor else None,
+                "first_url": self._changelist_url(entry.alias, search) if cursor else None,
+            })
         context = {
             **self.admin_site.each_context(request),
             "opts": self.opts,
@@ -200,7 +213,10 @@ class HeldLocksAdmin(ReadOnlyAdmin):
             "alias": alias,
             "search": search,
             "groups": groups,
-            "held_count": sum(len(group["entry"].locks) for group in groups),
+            "cursor": cursor,
+            "shown_count": sum(len(group["rows"]) for group in groups),
+            # Every lock held is shown only on first pages that no next page follows.
+            "complete": cursor is None and not any(group["next_url"] for group in groups),
             "can_force_release": can_release,
             "release_url": self._release_url() if can_release else None,
             # Cells after the alias in a full-width row: name, token, acquired, expires, remaining, holder,

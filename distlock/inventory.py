@@ -26,12 +26,16 @@ PAGE_SIZE = 500
 
 @dataclass
 class AliasLocks:
-    """The held locks of one alias, or why they could not be read."""
+    """One page of the held locks of one alias, or why it could not be read."""
 
     alias: str
     backend: str
     locks: list = field(default_factory=list)
     error: str = ""
+    #: The cursor of the alias's next page; None on its last page (or on an error).
+    cursor: str | None = None
+    #: True if ``error`` is the backend refusing the page asked for: a cursor it never gave.
+    bad_page: bool = False
 
 
 @dataclass
@@ -44,13 +48,24 @@ class PingResult:
     foreign: list = field(default_factory=list)
 
 
-def describe_failure(exc):
-    """The failure as shown by ``distlock check`` and the admin page: with no secret in it."""
+def describe_failure(exc, *, cursor=None):
+    """The failure as shown by ``distlock check`` and the admin page: with no secret in it.
+
+    With the ``cursor`` the call was given, a ``TypeError``/``ValueError`` is the backend refusing
+    that page before any I/O (``check_page``, a cursor it cannot parse): the caller's input, not a bug.
+    """
     if isinstance(exc, (BackendUnavailable, ImproperlyConfigured, ImportError)):
         return redact(f"{type(exc).__name__}: {exc}")
+    if _refused_page(exc, cursor):
+        return redact(f"no page at cursor {cursor!r} ({type(exc).__name__}: {exc})")
     # Not a failure a backend is expected to report: a bug, so keep its traceback in the log.
     logger.exception("Backend raised an unexpected error: %s", redact(exc))
     return redact(f"unexpected {type(exc).__name__}: {exc}")
+
+
+def _refused_page(exc, cursor):
+    """Return True if ``exc`` is a backend refusing the page at ``cursor`` before any I/O (``check_page``)."""
+    return cursor is not None and isinstance(exc, (TypeError, ValueError))
 
 
 def _backend_path(alias):
@@ -63,18 +78,26 @@ def aliases(only=None):
     return list(get_config()) if only is None else [only]
 
 
-def held_locks(only=None, *, search=""):
-    """Return one ``AliasLocks`` per alias, locks sorted by name; ``search`` keeps names containing it."""
+def held_locks(only=None, *, prefix="", limit=None, cursor=None):
+    """Return one ``AliasLocks`` per alias: one page of its locks whose name starts with ``prefix``.
+
+    ``limit`` and ``cursor`` as a backend's ``held_locks()`` takes them: one page of each alias comes
+    back, filtered by the server where the backend can (see each backend's ``held_locks()``). A cursor
+    belongs to one alias's pages, so it needs ``only``. The page comes as the backend returns it
+    (Redis: possibly a few more than ``limit``, as the last ``SCAN`` brought).
+    """
+    if cursor is not None and only is None:
+        raise ValueError("a cursor is one alias's: pass the alias as only")
     found = []
-    needle = search.casefold()
     for alias in aliases(only):
         entry = AliasLocks(alias, _backend_path(alias))
         try:
-            held = locks[alias].held_locks()
+            page = locks[alias].held_locks(prefix, limit=limit, cursor=cursor)
         except Exception as exc:  # noqa: BLE001 - reported on the alias's own row, see the module docstring
-            entry.error = describe_failure(exc)
+            entry.error = describe_failure(exc, cursor=cursor)
+            entry.bad_page = _refused_page(exc, cursor)
         else:
-            entry.locks = sorted((info for info in held if needle in info.name.casefold()), key=lambda i: i.name)
+            entry.locks, entry.cursor = list(page), page.cursor
         found.append(entry)
     return found
 

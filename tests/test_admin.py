@@ -5,6 +5,7 @@ import os
 import re
 import uuid
 from html import unescape
+from urllib.parse import parse_qs
 
 import pytest
 from django.contrib.admin.models import CHANGE, DELETION, LogEntry
@@ -16,6 +17,7 @@ from django.urls import reverse
 import distlock
 from distlock.metrics import Recorder
 from distlock.models import FencingRejection
+from tests.conftest import require_alias
 from tests.servers import free_port
 from tests.test_metrics import acquire_n
 
@@ -98,26 +100,119 @@ def test_staff_without_the_view_permission_gets_403(client):
     assert "Held locks" not in html
 
 
-def test_filter_by_alias_and_search_by_name(viewer_client):
+def test_filter_by_alias_and_search_by_name_prefix(viewer_client):
     tag = uuid.uuid4().hex[:8]
     with distlock.lock(f"alpha:{tag}", using="locmem"), distlock.lock(f"beta:{tag}", using="locmem"):
-        html = viewer_client.get(PAGE, {"q": f"ALPHA:{tag}"}).content.decode()
+        html = viewer_client.get(PAGE, {"q": f"alpha:{tag}"}).content.decode()
         assert lock_row(html, "locmem", f"alpha:{tag}") is not None
         assert lock_row(html, "locmem", f"beta:{tag}") is None
+        assert "whose name starts with “alpha:" in html and 'placeholder="Lock name starts with…"' in html
         html = viewer_client.get(PAGE, {"alias": "locmem", "q": tag}).content.decode()
+        assert lock_row(html, "locmem", f"alpha:{tag}") is None, "a name containing the search is no match"
+        html = viewer_client.get(PAGE, {"alias": "locmem", "q": "beta:"}).content.decode()
         assert lock_row(html, "locmem", f"beta:{tag}") is not None
         assert set(re.findall(r'<tr class="distlock-[a-z-]+" data-alias="([^"]+)"', html)) == {"locmem"}
 
 
-def test_a_long_list_is_cut_and_says_how_much_is_hidden(viewer_client, monkeypatch):
-    monkeypatch.setattr("distlock.admin.ROWS_PER_ALIAS", 2)
-    tag = uuid.uuid4().hex[:8]
-    leases = [distlock.acquire(f"many{tag}:{number}", using="locmem") for number in range(5)]
-    html = viewer_client.get(PAGE, {"alias": "locmem", "q": tag}).content.decode()
-    assert len(re.findall(r'<tr class="distlock-lock"', html)) == 2
-    assert "3 more locks not shown" in html and "5 locks held" in html
-    for lease in leases:
-        lease.release()
+def test_the_search_is_a_name_prefix_on_every_backend(viewer_client, backend_alias, lock_name):
+    names = [f"{lock_name}:a", f"{lock_name}:b", f"{lock_name}-other", f"x{lock_name}:c"]
+    leases = [distlock.acquire(name, ttl=30, using=backend_alias) for name in names]
+    try:
+        html = viewer_client.get(PAGE, {"alias": backend_alias, "q": f"{lock_name}:"}).content.decode()
+        shown = re.findall(rf'<tr class="distlock-lock" data-alias="{re.escape(backend_alias)}" data-name="([^"]+)"',
+                           html)
+        assert sorted(shown) == names[:2], "the names starting with the search, and only those"
+        assert "2 locks held whose name starts with" in html
+    finally:
+        for lease in leases:
+            lease.release()
+
+
+#: Aliases whose pages end with the ``SCAN`` call that reached the page size: a page may run over it.
+SCAN_PAGED = {"redis", "redis_cache"}
+
+
+def shown_names(html, alias):
+    return re.findall(rf'<tr class="distlock-lock" data-alias="{re.escape(alias)}" data-name="([^"]+)"', html)
+
+
+def page_link(html, alias, kind):
+    """Return the query of the "Next page" or "First page" link of ``alias``, or None."""
+    row = re.search(rf'<tr class="distlock-paging" data-alias="{re.escape(alias)}">(.*?)</tr>', html, re.S)
+    link = row and re.search(rf'<a class="distlock-{kind}-page" href="{PAGE}\?([^"]+)"', row.group(1))
+    return parse_qs(unescape(link.group(1))) if link else None
+
+
+def test_the_locks_of_an_alias_come_page_by_page(operator_client, backend_alias, lock_name, monkeypatch):
+    monkeypatch.setattr("distlock.admin.ROWS_PER_ALIAS", 3)
+    leases = [distlock.acquire(f"{lock_name}:{index:02}", ttl=60, using=backend_alias) for index in range(20)]
+    try:
+        query, pages, seen = {"q": f"{lock_name}:"}, [], []
+        while query is not None:
+            html = operator_client.get(PAGE, query).content.decode()
+            for url in re.findall(r'(?:href|action|src)="([^"]*)"', html):
+                assert not [lease.owner for lease in leases if lease.owner in unescape(url)], url
+            names = shown_names(html, backend_alias)
+            assert backend_alias in SCAN_PAGED or len(names) <= 3
+            pages.append(names)
+            seen += names
+            if len(pages) > 1:
+                assert page_link(html, backend_alias, "first") == {"alias": [backend_alias], "q": [f"{lock_name}:"]}
+            query = page_link(html, backend_alias, "next")
+            if query is not None:
+                assert query["alias"] == [backend_alias] and query["q"] == [f"{lock_name}:"] and query["cursor"]
+                assert "locks shown" in html and "More locks on the next page." in html
+        assert len(pages) >= 2, "twenty locks at three a page come in several pages"
+        assert sorted(seen) == [lease.name for lease in leases], "every lock once, on one page or another"
+        assert page_link(html, backend_alias, "next") is None
+    finally:
+        for lease in leases:
+            lease.release()
+
+
+def test_a_page_that_shows_everything_counts_every_lock_held(viewer_client, lock_name):
+    leases = [distlock.acquire(f"{lock_name}:{index}", using="locmem") for index in range(3)]
+    try:
+        html = viewer_client.get(PAGE, {"alias": "locmem", "q": f"{lock_name}:"}).content.decode()
+        assert "3 locks held whose name starts with" in html
+        assert 'class="distlock-paging"' not in html, "one page: no link to another"
+    finally:
+        for lease in leases:
+            lease.release()
+
+
+def test_a_bad_cursor_is_an_error_on_its_alias_only(viewer_client, monkeypatch, lock_name):
+    refused = []
+
+    def refuse(backend, prefix="", *, limit=None, cursor=None):
+        refused.append(cursor)
+        raise ValueError(f"not a cursor of this backend: {cursor!r}")
+
+    with distlock.lock(lock_name, using="locmem"), distlock.lock(lock_name, using="default"):
+        monkeypatch.setattr(type(distlock.locks["default"]), "held_locks", refuse)
+        response = viewer_client.get(PAGE, {"alias": "default", "cursor": "forged", "q": "test:"})
+        assert response.status_code == 200
+        html = response.content.decode()
+        errors = dict(re.findall(r'<tr class="distlock-error-row" data-alias="([^"]+)">(.*?)</tr>', html, re.S))
+        assert list(errors) == ["default"] and "not one this backend gave" in errors["default"]
+        assert "ValueError" in errors["default"] and refused == ["forged"]
+        assert page_link(html, "default", "first") == {"alias": ["default"], "q": ["test:"]}
+        monkeypatch.undo()
+        html = viewer_client.get(PAGE, {"cursor": "forged"}).content.decode()
+        assert "A page of locks belongs to one alias" in html, "a cursor without its alias is dropped"
+        assert lock_row(html, "locmem", lock_name) is not None and lock_row(html, "default", lock_name) is not None
+
+
+def test_a_cursor_redis_cannot_parse_is_an_error_row_not_a_500(viewer_client, lock_name):
+    require_alias("redis")
+    with distlock.lock(lock_name, using="locmem"):
+        for cursor in ("not-a-scan-cursor", "-1", "1" * 30):  # not a number; negative; past SCAN's 64 bits
+            response = viewer_client.get(PAGE, {"alias": "redis", "cursor": cursor})
+            assert response.status_code == 200
+            errors = dict(re.findall(r'<tr class="distlock-error-row" data-alias="([^"]+)">(.*?)</tr>',
+                                     response.content.decode(), re.S))
+            assert list(errors) == ["redis"], cursor
+            assert "not one this backend gave" in errors["redis"] and "ValueError" in errors["redis"]
 
 
 def test_an_unreachable_or_broken_backend_is_an_error_row(viewer_client, settings, lock_name):
