@@ -55,6 +55,27 @@ def lock_row(html, alias, name):
     return match.group(1) if match else None
 
 
+#: Aliases whose pages end with the ``SCAN`` call that reached the page size: a page may run over it.
+SCAN_PAGED = {"redis", "redis_cache"}
+
+
+def shown_names(html, alias):
+    """Return the names of the locks of ``alias`` on the page, in its order."""
+    return re.findall(rf'<tr class="distlock-lock" data-alias="{re.escape(alias)}" data-name="([^"]+)"', html)
+
+
+def page_link(html, alias, kind):
+    """Return the query of the "Next page" or "First page" link of ``alias``, or None."""
+    row = re.search(rf'<tr class="distlock-paging" data-alias="{re.escape(alias)}">(.*?)</tr>', html, re.S)
+    link = row and re.search(rf'<a class="distlock-{kind}-page" href="{PAGE}\?([^"]+)"', row.group(1))
+    return parse_qs(unescape(link.group(1))) if link else None
+
+
+def error_rows(html):
+    """Return the page's error rows: their text by alias."""
+    return dict(re.findall(r'<tr class="distlock-error-row" data-alias="([^"]+)">(.*?)</tr>', html, re.S))
+
+
 def metrics_row(html, window, alias, prefix):
     table = re.search(rf'<table class="distlock-metrics" data-window="{window}">(.*?)</table>', html, re.S).group(1)
     match = re.search(rf'data-alias="{re.escape(alias)}" data-prefix="{re.escape(prefix)}">(.*?)</tr>', table, re.S)
@@ -119,28 +140,11 @@ def test_the_search_is_a_name_prefix_on_every_backend(viewer_client, backend_ali
     leases = [distlock.acquire(name, ttl=30, using=backend_alias) for name in names]
     try:
         html = viewer_client.get(PAGE, {"alias": backend_alias, "q": f"{lock_name}:"}).content.decode()
-        shown = re.findall(rf'<tr class="distlock-lock" data-alias="{re.escape(backend_alias)}" data-name="([^"]+)"',
-                           html)
-        assert sorted(shown) == names[:2], "the names starting with the search, and only those"
+        assert sorted(shown_names(html, backend_alias)) == names[:2], "the names starting with the search, and only those"
         assert "2 locks held whose name starts with" in html
     finally:
         for lease in leases:
             lease.release()
-
-
-#: Aliases whose pages end with the ``SCAN`` call that reached the page size: a page may run over it.
-SCAN_PAGED = {"redis", "redis_cache"}
-
-
-def shown_names(html, alias):
-    return re.findall(rf'<tr class="distlock-lock" data-alias="{re.escape(alias)}" data-name="([^"]+)"', html)
-
-
-def page_link(html, alias, kind):
-    """Return the query of the "Next page" or "First page" link of ``alias``, or None."""
-    row = re.search(rf'<tr class="distlock-paging" data-alias="{re.escape(alias)}">(.*?)</tr>', html, re.S)
-    link = row and re.search(rf'<a class="distlock-{kind}-page" href="{PAGE}\?([^"]+)"', row.group(1))
-    return parse_qs(unescape(link.group(1))) if link else None
 
 
 def test_the_locks_of_an_alias_come_page_by_page(operator_client, backend_alias, lock_name, monkeypatch):
@@ -193,7 +197,7 @@ def test_a_bad_cursor_is_an_error_on_its_alias_only(viewer_client, monkeypatch, 
         response = viewer_client.get(PAGE, {"alias": "default", "cursor": "forged", "q": "test:"})
         assert response.status_code == 200
         html = response.content.decode()
-        errors = dict(re.findall(r'<tr class="distlock-error-row" data-alias="([^"]+)">(.*?)</tr>', html, re.S))
+        errors = error_rows(html)
         assert list(errors) == ["default"] and "not one this backend gave" in errors["default"]
         assert "ValueError" in errors["default"] and refused == ["forged"]
         assert page_link(html, "default", "first") == {"alias": ["default"], "q": ["test:"]}
@@ -209,8 +213,7 @@ def test_a_cursor_redis_cannot_parse_is_an_error_row_not_a_500(viewer_client, lo
         for cursor in ("not-a-scan-cursor", "-1", "1" * 30):  # not a number; negative; past SCAN's 64 bits
             response = viewer_client.get(PAGE, {"alias": "redis", "cursor": cursor})
             assert response.status_code == 200
-            errors = dict(re.findall(r'<tr class="distlock-error-row" data-alias="([^"]+)">(.*?)</tr>',
-                                     response.content.decode(), re.S))
+            errors = error_rows(response.content.decode())
             assert list(errors) == ["redis"], cursor
             assert "not one this backend gave" in errors["redis"] and "ValueError" in errors["redis"]
 
@@ -226,7 +229,7 @@ def test_an_unreachable_or_broken_backend_is_an_error_row(viewer_client, setting
         response = viewer_client.get(PAGE)
     assert response.status_code == 200
     html = response.content.decode()
-    errors = dict(re.findall(r'<tr class="distlock-error-row" data-alias="([^"]+)">(.*?)</tr>', html, re.S))
+    errors = error_rows(html)
     assert "BackendUnavailable" in errors["down"]
     assert "InvalidLockBackendError" in errors["broken"] and "nonexistent" in errors["broken"]
     assert lock_row(html, "locmem", lock_name) is not None, "the other aliases are still listed"
