@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from urllib.parse import quote, unquote
 
-from distlock.backends.base import NOTIFICATIONS, SAFE_FENCING_TOKENS, BaseLockBackend, Grant, check_page, page_of
+from distlock.backends.base import NOTIFICATIONS, SAFE_FENCING_TOKENS, BaseLockBackend, Grant, LockPage, check_page
 from distlock.backends.deadlines import request_deadline
 from distlock.backends.etcd._transport import (
     MIN_REQUEST_SECONDS, Connection, RequestFailed, SessionGone, hint, prepare_for_green_threads,
@@ -16,7 +16,8 @@ from distlock.backends.etcd.options import (
 )
 from distlock.backends.etcd.session import Held, Keeper, Session
 from distlock.backends.etcd.transactions import (
-    acquire_txn, count_request, extend_txn, holder_request, keys_of_lock, listing_request, release_txn, turn_txn,
+    acquire_txn, count_request, extend_txn, holder_request, keys_of_lock, listing_request, lock_queues, range_end,
+    release_txn, turn_txn,
 )
 from distlock.backends.green import ForkedChildHook, green_library
 from distlock.backends.offload import Offloader
@@ -63,6 +64,9 @@ class _Contender:
 def _parse_time(value):
     return datetime.fromisoformat(value) if isinstance(value, str) else None
 
+
+#: Keys read per range by a listing with no ``limit``: bounds each reply, not the listing.
+LISTING_CHUNK = 1000
 
 #: The keeper of every live backend of this process.
 _KEEPERS = ForkedChildHook("after_fork_in_child")
@@ -300,21 +304,51 @@ class EtcdBackend(BaseLockBackend):
     # -- operating -------------------------------------------------------------------------------
 
     def held_locks(self, prefix="", *, limit=None, cursor=None):
-        """Every key under the prefix is read in one range (ordered by create revision), then cut to the page."""
-        check_page(limit, cursor)
-        return page_of(self._call(lambda job: self._held_locks(prefix)), limit, cursor)
+        """Return a ``LockPage`` of the holders of the locks whose name starts with ``prefix``, sorted by name.
 
-    def _held_locks(self, prefix):
+        Reads about one page of keys, not every key under the prefix: ranges in key order with a limit
+        (see Listing in ``transactions``), so the first page costs the same with 10 or 100,000 locks
+        held. Pages follow the key order, the order of the quoted names, each page sorted by name; the
+        cursor is the name of the page's last lock in key order. Each lock's holder is read from one
+        range holding all its keys, so a page is never wrong about a lock whose queue a limit cut.
+        """
+        check_page(limit, cursor)
+        return self._call(lambda job: self._held_locks(prefix, limit, cursor))
+
+    def _held_locks(self, prefix, limit, cursor):
+        start = self._prefix + quote(prefix, safe="").encode()
+        end = range_end(start)
+        if cursor is not None:
+            start = max(start, range_end(self._lock_prefix(cursor)))
+        infos, cut = [], False
         with self.translate_errors("list held locks"):
-            response = self._connection.range(listing_request(self._prefix + quote(prefix, safe="").encode()),
-                                              self._deadline())
-        holders = {}
-        for kv in response.kvs:  # ascending create revision: the first key of each lock holds it
-            quoted_name, separator, _ = kv.key[len(self._prefix):].rpartition(b"/")
-            if separator:
-                holders.setdefault(quoted_name, kv)
-        infos = [self._lock_info(unquote(quoted_name.decode()), kv) for quoted_name, kv in holders.items()]
-        return sorted(infos, key=lambda info: info.name)
+            while start < end and (limit is None or len(infos) < limit):
+                # One key more than the locks still wanted: then the last wanted lock is whole unless a
+                # queue of waiters fills the range.
+                wanted = LISTING_CHUNK if limit is None else limit - len(infos) + 1
+                response = self._connection.range(listing_request(start, end, wanted), self._deadline())
+                queues = lock_queues(self._prefix, response.kvs)
+                cut = response.more and len(queues) > 1
+                if not response.more:
+                    start = end
+                elif cut:
+                    start = queues.pop().start  # maybe cut by the limit: the next range (or page) reads it whole
+                else:  # one lock's queue filled the range: read its holder alone, go on after it
+                    (queue,) = queues
+                    holder = self._connection.range(holder_request(queue.start), self._deadline()).kvs
+                    queues, start = [queue._replace(kvs=holder)], queue.end
+                infos += [self._lock_info(unquote(queue.start[len(self._prefix):-1].decode()),
+                                          min(queue.kvs, key=lambda kv: kv.create_revision))
+                          for queue in queues if queue.kvs]
+            if limit is None:
+                return LockPage(sorted(infos, key=lambda info: info.name))
+            # A full page has a next one if a key lies past it: known after a cut, not after a lone queue.
+            more = len(infos) > limit or (start < end and (cut or self._any_key(start, end)))
+        page = infos[:limit]
+        return LockPage(sorted(page, key=lambda info: info.name), page[-1].name if more else None)
+
+    def _any_key(self, start, end):
+        return bool(self._connection.range(listing_request(start, end, 1), self._deadline()).kvs)
 
     def _lock_info(self, name, kv):
         record = read_holder_record(kv.value)

@@ -38,25 +38,35 @@ so a deletion in between is not missed. Whatever wakes it (the deletion - a rele
 running out, a session lease expiring - or a broken watch stream) it re-reads its place with
 TURN before believing anything.
 
+Listing. held_locks() reads ranges in key order with a limit, so a page costs about one page of keys
+however many locks are held. A lock's keys are contiguous in that order (its name part holds no
+"/"), and its holder is the one of them with the lowest create revision, so a lock is only reported
+from a range that holds all of its keys: the last lock of a range cut by its limit is read again by
+the next range, and a lock whose queue alone fills a range has its holder read with holder_request().
+Key order is the order of quote(NAME) + "/", not of NAME ("a-1" comes before "a"); the cursor of a
+page is the name of its last lock in key order, and the next page starts after that lock's keys.
+
 The per-call ttl is enforced by this process: a background thread deletes the key with RELEASE
 when it runs out unless the lease was extended. etcd frees the locks of a dead or paused process
 when its session lease expires (lease.session_timeout).
 """
 
 import functools
+from typing import NamedTuple
 from urllib.parse import quote
 
 from etcd3 import etcdrpc
 
 __all__ = [
-    "acquire_txn", "count_request", "extend_txn", "holder_request", "keys_of_lock", "listing_request", "range_end",
-    "release_txn", "turn_txn",
+    "acquire_txn", "count_request", "extend_txn", "holder_request", "keys_of_lock", "listing_request", "lock_queues",
+    "range_end", "release_txn", "turn_txn",
 ]
 
 _CREATE = etcdrpc.Compare.CREATE
 _EQUAL = etcdrpc.Compare.EQUAL
 _GREATER = etcdrpc.Compare.GREATER
 _BY_CREATE = etcdrpc.RangeRequest.CREATE
+_BY_KEY = etcdrpc.RangeRequest.KEY
 _ASCEND = etcdrpc.RangeRequest.ASCEND
 _DESCEND = etcdrpc.RangeRequest.DESCEND
 
@@ -179,9 +189,37 @@ def holder_request(lock_prefix):
                                 sort_order=_ASCEND, limit=1)
 
 
-def listing_request(start):
-    """Read every key that starts with ``start``, oldest first: the first key of each lock is its holder."""
-    return etcdrpc.RangeRequest(key=start, range_end=range_end(start), sort_target=_BY_CREATE, sort_order=_ASCEND)
+def listing_request(start, end, limit):
+    """Read the first ``limit`` keys from ``start`` up to ``end`` in key order: each lock's keys come together."""
+    return etcdrpc.RangeRequest(key=start, range_end=end, sort_target=_BY_KEY, sort_order=_ASCEND, limit=limit)
+
+
+class Queue(NamedTuple):
+    """The keys of one lock that a listing range read, and the key range ``[start, end)`` the lock spans."""
+
+    start: bytes
+    end: bytes
+    kvs: list
+
+
+def lock_queues(prefix, kvs):
+    """Split ``kvs``, read in key order under ``prefix``, into one ``Queue`` per lock, in key order.
+
+    A key with no "/" after ``prefix`` is no contender's: it is a ``Queue`` of its own with no keys, so
+    a listing steps over it.
+    """
+    queues = []
+    for kv in kvs:
+        quoted_name, separator, _ = kv.key[len(prefix):].partition(b"/")
+        if not separator:
+            queues.append(Queue(kv.key, kv.key + b"\0", []))
+            continue
+        lock_prefix = prefix + quoted_name + b"/"
+        if queues and queues[-1].start == lock_prefix:
+            queues[-1].kvs.append(kv)
+        else:
+            queues.append(Queue(lock_prefix, range_end(lock_prefix), [kv]))
+    return queues
 
 
 def count_request(start):
