@@ -20,11 +20,12 @@ from urllib.parse import quote
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 from hypothesis import given
+from etcd3 import etcdrpc
 from hypothesis import strategies as st
 
 import distlock
 from distlock.backends.etcd import EtcdBackend
-from distlock.backends.etcd.transactions import acquire_txn, range_end, release_txn
+from distlock.backends.etcd.transactions import Queue, acquire_txn, lock_queues, range_end, release_txn
 from distlock.handler import locks
 from distlock.signals import lock_lost
 from tests.conftest import require_alias
@@ -131,6 +132,17 @@ def test_requests_copied_from_one_template_keep_their_own_value_and_revision():
     assert len(acquire_txn(b"/p/n/", b"/p/n/1-0", b"one", 7, False).failure) == 2, "no enqueue: no put, no tail read"
     releases = [release_txn(b"/p/n/1-0", revision) for revision in (5, 6)]
     assert [release.compare[0].create_revision for release in releases] == [5, 6]
+
+
+def test_a_listing_range_splits_into_one_queue_per_lock_in_key_order():
+    keys = [b"/p/a/1-0", b"/p/a/2-0", b"/p/a%20b/1-0", b"/p/stray", b"/p/b/1-1"]
+    kvs = [etcdrpc.kv_pb2.KeyValue(key=key, create_revision=index) for index, key in enumerate(keys)]
+    queues = lock_queues(b"/p/", kvs)
+    assert [(queue.start, queue.end, [kv.key for kv in queue.kvs]) for queue in queues] == [
+        (b"/p/a/", b"/p/a0", keys[:2]), (b"/p/a%20b/", b"/p/a%20b0", keys[2:3]),
+        (b"/p/stray", b"/p/stray\0", []), (b"/p/b/", b"/p/b0", keys[4:]),
+    ]
+    assert all(isinstance(queue, Queue) for queue in queues)
 
 
 def test_range_end():
@@ -310,6 +322,106 @@ def test_only_the_holder_is_listed_while_others_wait(configure, cluster, prefix,
     assert (waiter.acquired_at - info.acquired_at).total_seconds() > 1, "the listing shows when it queued"
     assert waiter.attempts > 1
     waiter.release()
+
+
+def queue_waiters(cluster, prefix, name, aliases):
+    """Queue one waiter for ``name`` per alias, in order, each in a thread that releases once granted."""
+    def wait_turn(alias):
+        with distlock.lock(name, ttl=30, timeout=60, using=alias):
+            pass
+
+    threads, queued = [], queue_length(cluster, prefix, name)
+    for index, alias in enumerate(aliases, start=1):
+        threads.append(threading.Thread(target=wait_turn, args=(alias,)))
+        threads[-1].start()
+        wait_for(lambda: queue_length(cluster, prefix, name) == queued + index, 10, "a waiter did not queue")
+    return threads
+
+
+def pages_of(backend, prefix, limit):
+    """Return every page of ``backend.held_locks(prefix, limit=limit)``, following the cursors."""
+    pages, cursor = [], None
+    while not pages or cursor is not None:
+        pages.append(backend.held_locks(prefix, limit=limit, cursor=cursor))
+        cursor = pages[-1].cursor
+        assert len(pages) < 100, "the cursors never end"
+    return pages
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3])
+def test_a_lock_whose_waiters_straddle_a_range_is_listed_once_with_its_holder(
+        configure, cluster, prefix, lock_name, limit):
+    """Lock b has 5 waiters, whose keys (of two sessions) sort around its holder's: ranges of a few keys
+    cut its queue, or hold nothing else, and the page must still report its holder, once."""
+    holder_alias, waiter_alias = configure(etcd_holder={}, etcd_waiter={})
+    names = [f"{lock_name}:{letter}" for letter in "abcdef"]
+    leases = {name: distlock.acquire(name, ttl=60, using=holder_alias) for name in names}
+    waiters = queue_waiters(cluster, prefix, names[1], [waiter_alias, holder_alias] * 2 + [waiter_alias])
+    try:
+        backend = locks[holder_alias]
+        unpaged = backend.held_locks(f"{lock_name}:")
+        assert [(info.name, info.owner, info.token) for info in unpaged] == [
+            (name, leases[name].owner, leases[name].token) for name in names]
+        pages = pages_of(backend, f"{lock_name}:", limit)
+        assert [info for page in pages for info in page] == unpaged
+        assert [len(page) for page in pages] == [limit] * (len(names) // limit) + [len(names) % limit] * (
+            len(names) % limit > 0)
+        assert [page.cursor for page in pages] == [page[-1].name for page in pages[:-1]] + [None]
+    finally:
+        for lease in leases.values():
+            lease.release()
+        for thread in waiters:
+            thread.join(60)
+    assert queue_length(cluster, prefix, names[1]) == 0
+
+
+def test_pages_follow_the_key_order_and_list_each_lock_once(configure, cluster, prefix, lock_name):
+    """Keys sort by the quoted name plus "/": "b-1" before "b", "b:1" (quoted "b%3A1") before both."""
+    (alias,) = configure(etcd_own={})
+    names = sorted(f"{lock_name}:{suffix}" for suffix in ["b", "b-1", "b.x", "b:1", "b/c", "b c", "bé", "c"])
+    leases = [distlock.acquire(name, ttl=60, using=alias) for name in names]
+    try:
+        backend = locks[alias]
+        assert [info.name for info in backend.held_locks(f"{lock_name}:")] == names
+        for limit in (1, 2, 3):
+            pages = pages_of(backend, f"{lock_name}:", limit)
+            listed = [info.name for page in pages for info in page]
+            assert sorted(listed) == names and len(listed) == len(names), f"each lock once (limit={limit})"
+            assert all([info.name for info in page] == sorted(info.name for info in page) for page in pages)
+            assert all(len(page) == limit for page in pages[:-1]) and pages[-1].cursor is None
+    finally:
+        for lease in leases:
+            lease.release()
+
+
+def test_a_page_reads_about_one_page_of_keys_however_many_locks_are_held(
+        configure, cluster, prefix, lock_name, monkeypatch):
+    (alias,) = configure(etcd_own={})
+    names = [f"{lock_name}:{index:03}" for index in range(60)]
+    leases = [distlock.acquire(name, ttl=60, using=alias) for name in names]
+    waiters = queue_waiters(cluster, prefix, names[22], [alias] * 3)
+    backend, asked = locks[alias], []
+    connection_range = backend._connection.range
+
+    def counted_range(request, deadline):
+        response = connection_range(request, deadline)
+        asked.append((request.limit, len(response.kvs)))
+        return response
+
+    monkeypatch.setattr(backend._connection, "range", counted_range)
+    try:
+        first = backend.held_locks(f"{lock_name}:", limit=5)
+        middle = backend.held_locks(f"{lock_name}:", limit=5, cursor=names[19])
+        assert ([info.name for info in first], first.cursor) == (names[:5], names[4])
+        assert ([info.name for info in middle], middle.cursor) == (names[20:25], names[24])
+        assert all(0 < limit <= 6 for limit, _ in asked), f"every range has a limit (0: no limit): {asked}"
+        assert sum(read for _, read in asked) <= 2 * 2 * 6, f"keys read for two pages of 5: {asked}"
+    finally:
+        monkeypatch.undo()
+        for lease in leases:
+            lease.release()
+        for thread in waiters:
+            thread.join(60)
 
 
 def test_waiters_get_the_lock_in_the_order_they_queued(configure, cluster, prefix, lock_name):
