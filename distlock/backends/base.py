@@ -637,7 +637,8 @@ class BaseLockBackend:
     def held_locks(self, prefix="", *, limit=None, cursor=None):
         """Return a ``LockPage`` of the locks held whose name starts with ``prefix``: every one, or ``limit`` of them.
 
-        Ordered by name (Redis: in ``SCAN`` order, where a page may hold a few more than ``limit``).
+        Ordered by name (Redis: in ``SCAN`` order, where a page may hold a few more than ``limit``; etcd:
+        in key order, the order of the percent-encoded names, each page sorted).
         ``cursor``: the ``cursor`` of the page before, to get the next one; an opaque string.
         """
         raise NotImplementedError(f"{type(self).__name__} must provide held_locks()")
