@@ -348,6 +348,7 @@ class EtcdBackend(BaseLockBackend):
         return LockPage(sorted(page, key=lambda info: info.name), page[-1].name if more else None)
 
     def _any_key(self, start, end):
+        """Return True if a key lies in ``[start, end)``: one key read, so a full page knows whether another follows."""
         return bool(self._connection.range(listing_request(start, end, 1), self._deadline()).kvs)
 
     def _lock_info(self, name, kv):
