@@ -65,8 +65,8 @@ def acquire(name, ttl=None, timeout=None, blocking=True, using=DEFAULT_ALIAS, au
         raise
     # The lock is ours on the server from here. Nothing below may leak it: whatever raises, including
     # a BaseException that arrives between any two lines (Celery's SoftTimeLimitExceeded from a signal
-    # handler, gevent.Timeout, KeyboardInterrupt), gives the grant back before it propagates. The
-    # renewal thread starts last, so a lease that never reaches its caller has never been renewed.
+    # handler, gevent.Timeout, KeyboardInterrupt), gives the grant back before it propagates. Renewal
+    # starts last, so a lease that never reaches its caller has never been renewed.
     #
     # What is left, each a few bytecodes wide (CPython runs signal handlers where a call returns or a
     # function starts, not between the assignment below and the ``try``): (1) inside the backend call,

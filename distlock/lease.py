@@ -174,7 +174,14 @@ class Lease:
         if self._lost_reason is not None or self._released:
             return False
         started = time.monotonic()
-        if self.backend.extend(self, ttl):
+        return self._settle_extension(started, ttl, self.backend.extend(self, ttl))
+
+    def _settle_extension(self, started, ttl, extended):
+        """Record what an extension to ``ttl`` sent at ``started`` found; return ``extended``.
+
+        Also called by the renewal scheduler, which extends many leases in one call.
+        """
+        if extended:
             self._extended(started, self.backend.trusted_validity(ttl))
             return True
         self.mark_lost("the lock was gone or owned by someone else when extending it")

@@ -34,7 +34,7 @@ task_skipped = Signal()
 def send_robustly(signal, name, **kwargs):
     """Send ``signal`` (named ``name`` in the log) with ``send_robust``; log each receiver that raised.
 
-    Receivers are user code and run on the caller's thread, a renewal thread or a backend's own
+    Receivers are user code and run on the caller's thread, a renewal scheduler's or a backend's own
     thread: none of them may stop the others from running, leave a lease half-marked, or kill the
     thread that sends. Exceptions other than ``Exception`` (a time limit, ``KeyboardInterrupt``)
     are not caught by ``send_robust`` and propagate.

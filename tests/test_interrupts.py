@@ -15,7 +15,7 @@ import distlock
 from distlock import metrics
 from distlock.backends.locmem import LocMemBackend
 from distlock.handler import locks
-from distlock.renewal import Renewer
+from distlock.renewal import Renewer, renewing
 from distlock.signals import lock_acquired, lock_lost, lock_released
 from tests.conftest import BACKEND_ALIASES, alias_params, require_alias
 from tests.interrupted_waits import lines_that_break
@@ -38,8 +38,8 @@ class Interrupt(BaseException):
     """Raised where a time limit or ``KeyboardInterrupt`` would land."""
 
 
-def renewal_threads(name):
-    return [thread for thread in threading.enumerate() if thread.name == f"distlock-renew:{name[:40]}"]
+def renewed(name):
+    return [lease for lease in renewing() if lease.name == name]
 
 
 @pytest.fixture
@@ -117,7 +117,7 @@ def test_an_interrupt_right_after_the_grant_gives_the_lock_back(backend_alias, l
     monkeypatch.undo()
     other = distlock.acquire(lock_name, ttl=10, blocking=False, auto_renew=False, using=backend_alias)
     assert other.release() is True
-    wait_until(lambda: not renewal_threads(lock_name), WAIT, "the end of the renewal of the lease never returned")
+    wait_until(lambda: not renewed(lock_name), WAIT, "the end of the renewal of the lease never returned")
 
 
 def test_an_error_while_giving_back_is_logged_and_the_interrupt_still_propagates(lock_name, monkeypatch, caplog):
@@ -127,7 +127,7 @@ def test_an_error_while_giving_back_is_logged_and_the_interrupt_still_propagates
     with pytest.raises(Interrupt):
         distlock.acquire(lock_name, ttl=30, auto_renew=True, using=alias)
     assert "Could not give back lock" in caplog.text and "server gone while giving back" in caplog.text
-    wait_until(lambda: not renewal_threads(lock_name), WAIT, "the end of the renewal of the lease never returned")
+    wait_until(lambda: not renewed(lock_name), WAIT, "the end of the renewal of the lease never returned")
 
 
 # -- signal receivers that raise --------------------------------------------------------------------
@@ -190,17 +190,17 @@ def test_a_raising_lock_lost_receiver_stops_neither_the_marking_nor_the_other_re
 
 def test_the_renewer_retries_after_an_unexpected_error(backend_alias, lock_name, monkeypatch, caplog):
     backend = locks[backend_alias]
-    extend = backend.extend
+    extend_many = backend.extend_many
     outcomes = []
 
-    def flaky_extend(lease, ttl):
+    def flaky_extend_many(requests):
         if not outcomes:
             outcomes.append("raised")
             raise TypeError("'int' object is not subscriptable")  # a misread reply
-        outcomes.append(extend(lease, ttl))
-        return outcomes[-1]
+        outcomes.extend(extend_many(requests))
+        return outcomes[-len(requests):]
 
-    monkeypatch.setattr(backend, "extend", flaky_extend)
+    monkeypatch.setattr(backend, "extend_many", flaky_extend_many)
     lease = distlock.acquire(lock_name, ttl=3, auto_renew=True, using=backend_alias)
     try:
         wait_until(lambda: True in outcomes, WAIT, "an extension after the one that raised")
@@ -242,7 +242,7 @@ def test_an_interrupt_inside_release_leaves_nothing_renewing(backend_alias, lock
     try:
         with pytest.raises(Interrupt):
             lease.release()
-        wait_until(lambda: not renewal_threads(lock_name), WAIT, "the end of the renewal thread of a released lease")
+        wait_until(lambda: not renewed(lock_name), WAIT, "the end of the renewal thread of a released lease")
         assert lease.released
     finally:
         locks[backend_alias].release_owned(lock_name, lease.owner)
@@ -255,7 +255,7 @@ def test_an_interrupt_inside_the_backend_release_leaves_nothing_renewing(backend
     try:
         with pytest.raises(Interrupt):
             lease.release()
-        assert not renewal_threads(lock_name), "renewal stops before the backend is asked to release"
+        assert not renewed(lock_name), "renewal stops before the backend is asked to release"
     finally:
         monkeypatch.undo()
         backend.release_owned(lock_name, lease.owner)

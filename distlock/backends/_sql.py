@@ -61,6 +61,15 @@ WHERE name = %(name)s AND owner = %(owner)s AND expires_at > clock_timestamp()
 RETURNING expires_at
 """
 
+# Extend many (the renewal scheduler's round): EXTEND for each (name, owner, ttl) of the arrays, in one
+# statement. Returns the (name, owner) of each lock extended.
+PG_EXTEND_MANY = """
+UPDATE distlock_lock AS held SET expires_at = clock_timestamp() + make_interval(secs => due.ttl)
+FROM unnest(%(names)s::text[], %(owners)s::text[], %(ttls)s::float8[]) AS due (name, owner, ttl)
+WHERE held.name = due.name AND held.owner = due.owner AND held.expires_at > clock_timestamp()
+RETURNING held.name, held.owner
+"""
+
 # Listing, one page: the held locks after the name ``after`` (a page's cursor, else ""), by name.
 PG_HELD = """
 SELECT name, owner, token, acquired_at, expires_at, host, pid, task_id FROM distlock_lock
@@ -111,6 +120,20 @@ UPDATE distlock_lock SET expires_at = strftime('%Y-%m-%d %H:%M:%f', 'now', '+' |
 WHERE name = :name AND owner = :owner AND expires_at > strftime('%Y-%m-%d %H:%M:%f', 'now')
 RETURNING expires_at
 """
+
+# Extend many: EXTEND for each (name, owner, ttl) row of ``due``, whose VALUES the dialect writes for
+# each chunk of at most SQLITE_EXTEND_CHUNK locks (SQLite has no arrays). Returns the (name, owner) of
+# each lock extended.
+SQLITE_EXTEND_MANY = """
+WITH due (name, owner, ttl) AS (VALUES {rows})
+UPDATE distlock_lock SET expires_at = strftime('%Y-%m-%d %H:%M:%f', 'now', '+' || due.ttl || ' seconds')
+FROM due
+WHERE distlock_lock.name = due.name AND distlock_lock.owner = due.owner
+  AND distlock_lock.expires_at > strftime('%Y-%m-%d %H:%M:%f', 'now')
+RETURNING distlock_lock.name, distlock_lock.owner
+"""
+#: Locks per SQLITE_EXTEND_MANY statement: three parameters each, well below SQLite's limit of 32766.
+SQLITE_EXTEND_CHUNK = 500
 
 SQLITE_HELD = """
 SELECT name, owner, token, acquired_at, expires_at, host, pid, task_id FROM distlock_lock
@@ -211,6 +234,10 @@ class _Dialect:
         cursor.execute(self.EXTEND, params)
         return cursor.fetchone()
 
+    def extend_many(self, cursor, requests):
+        """Extend each ``(name, owner, ttl)`` of ``requests``; return the set of ``(name, owner)`` extended."""
+        raise NotImplementedError
+
     def held(self, cursor, params):
         cursor.execute(self.HELD, params)
         return cursor.fetchall()
@@ -257,6 +284,11 @@ class _PostgreSQL(_Dialect):
         self.timer.cancel(wrapper)  # before the socket is closed and its descriptor reused
         close_quietly(wrapper)
 
+    def extend_many(self, cursor, requests):
+        names, owners, ttls = (list(column) for column in zip(*requests, strict=True))
+        cursor.execute(PG_EXTEND_MANY, {"names": names, "owners": owners, "ttls": ttls})
+        return set(cursor.fetchall())
+
     def acquire(self, cursor, params):
         key = int.from_bytes(hashlib.blake2b(params["name"].encode(), digest_size=4).digest(), "big", signed=True)
         cursor.execute(PG_ACQUIRE, {**params, "guard_namespace": GUARD_NAMESPACE, "guard_key": key})
@@ -299,6 +331,15 @@ class _SQLite(_Dialect):
         wrapper.ensure_connection()
         # The busy timeout is how long a statement waits for the write slot: SQLite's only way to hang.
         wrapper.connection.execute(f"PRAGMA busy_timeout = {int(bound * 1000)}")
+
+    def extend_many(self, cursor, requests):
+        extended = set()
+        for start in range(0, len(requests), SQLITE_EXTEND_CHUNK):
+            chunk = requests[start:start + SQLITE_EXTEND_CHUNK]
+            cursor.execute(SQLITE_EXTEND_MANY.format(rows=", ".join(["(?, ?, ?)"] * len(chunk))),
+                           [value for request in chunk for value in request])
+            extended.update(cursor.fetchall())
+        return extended
 
     def acquire(self, cursor, params):
         try:

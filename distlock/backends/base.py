@@ -617,6 +617,21 @@ class BaseLockBackend:
     def _do_extend(self, lease, ttl):
         raise NotImplementedError(f"{type(self).__name__} must provide _do_extend()")
 
+    def extend_many(self, requests):
+        """Extend each ``(lease, ttl)`` of ``requests``; return, in their order, True (extended), False (lost)
+        or the exception its extension raised.
+
+        The renewal scheduler calls it once per round with every lease due. One ``extend`` each by
+        default; a backend that can extend many locks in one round trip overrides it.
+        """
+        outcomes = []
+        for lease, ttl in requests:
+            try:
+                outcomes.append(self.extend(lease, ttl))
+            except Exception as exc:  # noqa: BLE001 - handed to the scheduler, lease by lease
+                outcomes.append(exc)
+        return outcomes
+
     def session_valid_until(self, lease):
         """Return the ``time.monotonic()`` after which ``lease``'s session may be gone on the server, or None.
 

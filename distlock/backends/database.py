@@ -327,6 +327,13 @@ class DatabaseBackend(BaseLockBackend):
                         operation=f"extend lock {lease.name!r}", urgent=True)
         return row is not None
 
+    def extend_many(self, requests):
+        """Extend every ``(lease, ttl)`` with one UPDATE (on SQLite, one per ``SQLITE_EXTEND_CHUNK`` locks)."""
+        self._refuse_self_deadlock(requests[0][0].name)
+        extended = self._run(self._dialect.extend_many, [(lease.name, lease.owner, ttl) for lease, ttl in requests],
+                             operation=f"extend {len(requests)} lock(s)", urgent=True)
+        return [(lease.name, lease.owner) in extended for lease, _ in requests]
+
     def held_locks(self, prefix="", *, limit=None, cursor=None):
         """One page by name (keyset: the cursor is the page's last name); one row more tells if another follows."""
         check_page(limit, cursor)

@@ -210,6 +210,24 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """, helpers=_HELPERS)
 
+# Extend many locks (compare-and-extend each), for the renewal scheduler: one run per chunk of locks,
+# every chunk of a round in one round trip.
+# KEYS: the locks. ARGV: for each lock in turn, its owner and its ttl in ms.
+# Invariant: EXTEND's, for each lock on its own.
+# Returns: for each lock, 1 extended, 0 not held by its owner.
+EXTEND_MANY = _redis.Script("extend_many", """
+local extended = {}
+for index, key in ipairs(KEYS) do
+  if held_by(redis.call('GET', key), ARGV[2 * index - 1]) then
+    redis.call('PEXPIRE', key, ARGV[2 * index])
+    extended[index] = 1
+  else
+    extended[index] = 0
+  end
+end
+return extended
+""", helpers=_HELPERS)
+
 # Leave the queue: a blocking acquire that timed out gives its place up at once instead of
 # blocking a free lock until its entry expires.
 # KEYS: 1 lock, 2 queue, 3 alive, 4 wake-key prefix. ARGV: 1 owner, 2 waiter entry ttl in ms.
@@ -234,6 +252,8 @@ _WAITER_TTL_MS = int(WAITER_TTL * 1000)
 WAITER_REFRESH = WAITER_TTL / 3
 #: Keys fetched per ``SCAN`` round trip in ``held_locks()``.
 SCAN_COUNT = 500
+#: Locks per EXTEND_MANY run: a script blocks the server while it runs, so a round of many is cut in chunks.
+EXTEND_MANY_CHUNK = 500
 #: Most idle connections an alias with its own pool (``URL``) keeps between calls; more go back to
 #: the pool. A ``CACHE`` alias keeps none: the cache's pool gets every connection back after each call.
 MAX_IDLE = 8
@@ -632,6 +652,30 @@ class RedisBackend(BaseLockBackend):
         if reply == 1 and acknowledged < self._replicas_ack:
             raise self._unacknowledged(operation, "the extension", acknowledged)
         return reply == 1
+
+    def extend_many(self, requests):
+        """Extend every ``(lease, ttl)`` in one round trip: EXTEND_MANY on chunks of ``EXTEND_MANY_CHUNK`` locks.
+
+        With ``REPLICAS_ACK``, one acknowledged extension each, as ``extend`` does. Bounded by the
+        longest validity left: a reply after that is worth nothing to any of them.
+        """
+        if self._replicas_ack is not None:
+            return super().extend_many(requests)
+        commands = []
+        for start in range(0, len(requests), EXTEND_MANY_CHUNK):
+            chunk = requests[start:start + EXTEND_MANY_CHUNK]
+            commands.append(EXTEND_MANY.command(
+                [self._lock_prefix + lease.name for lease, _ in chunk],
+                [arg for lease, ttl in chunk for arg in (lease.owner, math.ceil(ttl * 1000))]))
+        operation = f"extend {len(requests)} lock(s)"
+        deadline = time.monotonic() + max(lease.remaining() for lease, _ in requests)
+        outcomes = []
+        with self.translate_errors(operation):
+            for reply in self._get_connections().exchange(commands, self._request_seconds(deadline)):
+                if isinstance(reply, redis.ResponseError):
+                    self._raise_error_reply(reply, operation)
+                outcomes.extend(extended == 1 for extended in reply)
+        return outcomes
 
     # -- operating -----------------------------------------------------------------------------
 
