@@ -201,10 +201,11 @@ class Lease:
         The steps are ordered for an exception (a time limit, ``KeyboardInterrupt``) that arrives
         between any two of them: renewal is told to stop in the same step that marks the lease
         released, before anything that can block, so an interrupted release never leaves the lock
-        renewed; the thread is joined before the delete, so no extension in flight races it. Whatever
-        is cut short after that leaves a lock nobody renews, which the server frees at its ttl or with
-        the session. A release interrupted before the delete cannot be retried (the lease already
-        counts as released): it expires.
+        renewed. Nothing here waits for the renewal scheduler: an extension of this lease in flight
+        cannot bring the lock back after the delete, nor make the release look like a loss (see
+        ``Renewer.stop``). Whatever is cut short after that leaves a lock nobody renews, which the
+        server frees at its ttl or with the session. A release interrupted before the delete cannot
+        be retried (the lease already counts as released): it expires.
         """
         renewer = self._renewer
         with self._state_lock:

@@ -5,18 +5,34 @@ A thread per lease does not scale: a worker holding a lock per customer import w
 threads, each with its stack, all waking to take the GIL at once. A scheduler is a heap of deadlines
 served by one daemon thread (a greenlet under gevent) per alias, which exists only while the alias
 has leases to renew; a slow or unreachable server delays the renewals of its own alias only.
+
+What a lease's caller runs (``acquire()`` starting renewal, ``release()`` stopping it, a lease dropped
+without release) can be cut short between any two lines by a time limit, a ``gevent.Timeout`` or a
+signal handler that raises, so it takes no lock and waits on nothing: it sets flags on its
+``Renewer`` and posts the renewer to its scheduler's mailbox (``distlock.backends.green.mailbox``,
+whose ``put`` never blocks). The heap, the renewers taken in and the renewal clocks belong to the
+loop that serves the scheduler, the only code that changes them.
+
+Which loop serves is settled without a lock too. A scheduler has one token; a loop serves only
+while it holds it (taken with ``list.pop``, one atomic step). A caller that posts and sees the token
+free starts a loop, unless the loop started last is still alive; every loop that stops serving, or
+finds another serving, first withdraws as the loop started last, then looks at the mailbox once
+more and serves again if something came in. So a renewer posted is always taken in: by the loop
+serving (it looks before it gives the token up), by the last one started (it looks before it
+ends), or by the one its caller starts. A caller cut short anywhere in this leaves at worst a loop
+that was never started, which the next caller replaces; at worst a loop too many, which finds the
+token taken and ends.
 """
 
 import heapq
 import itertools
 import logging
 import math
-import os
-import threading
+import queue
 import time
 import weakref
 
-from distlock.backends.green import Daemon, ForkedChildHook, killed
+from distlock.backends.green import Daemon, ForkedChildHook, killed, mailbox
 from distlock.exceptions import BackendUnavailable
 
 __all__ = ["Renewer", "renewing"]
@@ -54,37 +70,50 @@ class Renewer:
         # past the lease's validity.
         self._due = lease.started + self._interval
         self._scheduler = None
-        #: Told to stop (released, cancelled, or the parent's lease in a forked child).
+        #: The scheduler state it was posted to (a forked child's scheduler has a state of its own).
+        self._posted_to = None
+        # Flags: the caller sets ``_cancelled``, the scheduler's loop the others.
+        #: Told to stop (released, or given back by an acquire cut short).
         self._cancelled = False
         #: Dropped by its scheduler: the lease ended, or renewal stopped for good.
         self._ended = False
-        #: The scheduler is extending (or releasing, at max_hold) this lease right now.
-        self._busy = False
         #: Set during a turn once renewal is over for good (see ``_due_extension``).
         self._finished = False
 
     def start(self):
-        """Hand the lease to its alias's scheduler (once). A renewer cancelled before never extends."""
+        """Post the lease to its alias's scheduler (once), without waiting. A renewer cancelled before never extends."""
         lease = self._lease_ref()
         if self._scheduler is None and lease is not None:
             self._scheduler = _scheduler_of(lease.backend)
-            self._scheduler.add(self)
+            self._scheduler.post(self)
 
     def cancel(self):
         """Stop renewing at the scheduler's next look, without waiting: one flag, nothing that blocks."""
         self._cancelled = True
 
     def stop(self):
-        """Stop renewing; wait for an extension of this lease in flight, unless called from the scheduler."""
+        """Stop renewing, and tell the scheduler so that it forgets the lease now; never waits.
+
+        An extension of this lease already on its way is not waited for, and needs not be. Before
+        each round the scheduler reads the flags (``_cancelled``, and ``released`` on the lease,
+        which ``Lease._end`` sets first), so no extension is sent once they are set; one sent before
+        is a compare-and-extend on the lease's owner (its node or create revision on ZooKeeper and
+        etcd), which never brings a lock back: reaching the server after the compare-and-delete of the
+        release, it finds nothing of ours and changes nothing; reaching it before, the release deletes
+        the lock all the same. What it found is ignored (``mark_lost`` ignores a released lease
+        anyway), so a release is never reported as a loss.
+        """
         self._cancelled = True
-        scheduler = self._scheduler
-        if scheduler is not None:
-            scheduler.wait_until_idle(self)
+        state = self._posted_to
+        if state is not None and not self._ended:
+            state.inbox.put(self)
 
     @property
     def running(self):
-        """True while the lease is still renewed: started, and neither cancelled nor dropped, or an extension runs."""
-        return self._scheduler is not None and (self._busy or not (self._cancelled or self._ended))
+        """True while the lease is renewed: started in this process, and neither cancelled nor dropped."""
+        scheduler = self._scheduler
+        return (scheduler is not None and self._posted_to is scheduler._state
+                and not (self._cancelled or self._ended))
 
     def _next_at(self):
         """The ``clock()`` time of the next extension, or of max_hold if sooner."""
@@ -96,7 +125,7 @@ class Renewer:
         return max(0.0, self._next_at() - self._clock())
 
     def _due_extension(self):
-        """Return ``(lease, ttl)`` if an extension is due now, else None; set ``_finished`` once renewal is over.
+        """Return the lease if an extension is due now, else None; set ``_finished`` once renewal is over.
 
         Over when the lease is gone (released, lost, dropped), or at ``max_hold``, where it releases the lock.
         """
@@ -110,13 +139,22 @@ class Renewer:
             return None
         if self._clock() < self._due - self._early:
             return None  # woken for max_hold, which is not here yet either
-        return lease, self._extension_ttl()
+        if self._hold_deadline is not None and lease.remaining() >= self._hold_deadline - self._clock():
+            # Valid until max_hold already (the extension before was cut to it): one more, sent so
+            # close to it that it may arrive after the lock went, would only report the loss wrongly.
+            self._due = self._hold_deadline
+            return None
+        return lease
 
     def _extension_ttl(self):
+        """Return the ttl to extend to now (read just before the round is sent), or None once past ``max_hold``."""
         if self._hold_deadline is None:
             return self._ttl
+        left = self._hold_deadline - self._clock()
+        if left <= 0:
+            return None  # max_hold came while the round was made up: stop there at the next turn, not extend
         # Never extend past max_hold: the server frees the lock then even if renewal stops.
-        return min(self._ttl, max(self._hold_deadline - self._clock(), 0.001))
+        return min(self._ttl, max(left, 0.001))
 
     def _settle(self, lease, ttl, started, outcome):
         """Apply what the extension of ``lease`` sent at ``started`` came to: True, False (lost) or an exception."""
@@ -156,39 +194,134 @@ class Renewer:
             lease.mark_lost(f"its renewal stopped on an unexpected error ({exc!r})")
 
 
+class _State:
+    """One scheduler's mailbox, token and renewers; a forked child's scheduler starts with new ones."""
+
+    def __init__(self):
+        #: Renewers posted by their callers: by ``start()`` to be taken in, by ``stop()`` to be forgotten.
+        self.inbox = mailbox()
+        #: The token: one item while no loop serves, none while one does (see the module docstring).
+        self.free = [True]
+        #: The loop started last, until it withdraws (it stopped serving, or found another serving).
+        self.launched = None
+        #: The loop holding the token, for a forked child to end (under gevent it runs on there).
+        self.serving = None
+        # Owned by the loop that holds the token.
+        self.heap = []  # (clock time, sequence, renewer)
+        #: Every renewer taken in and not ended: in the heap, or taken out of it for its turn.
+        self.renewers = set()
+        #: The renewal clock of each interval: {interval: the time of one of its rounds} (``_round_after``).
+        self.anchors = {}
+        self.sequence = itertools.count()
+
+
 class _Scheduler:
     """The renewers of one backend alias: a heap of their next deadlines, served by one daemon loop.
 
-    The loop starts with the first renewer and ends when none is left. ``_lock`` guards the heap, the
-    loop and every renewer's ``_busy``; ``_idle`` is notified whenever a renewer stops being busy.
+    Callers only ``post()``; the loop holding the state's token does everything else. The loop
+    starts with the first renewer posted and ends when none is left.
     """
 
     def __init__(self, alias):
         self.alias = alias
-        self._reset()
-
-    def _reset(self):
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._wake = threading.Event()
-        self._heap = []  # (clock time, sequence, renewer)
-        #: Every renewer not ended: in the heap, or taken out of it for its turn.
-        self._renewers = set()
-        #: The renewal clock of each interval: {interval: the time of one of its rounds} (``_round_after``).
-        self._anchors = {}
-        self._sequence = itertools.count()
-        self._daemon = None
+        self._state = _State()
+        _FORKED.add(self)
 
     def _end_in_forked_child(self):
         """Forget the parent's renewals: its leases are not this process's to extend, nor to mark lost."""
-        for renewer in self._renewers:
-            renewer._cancelled = renewer._ended = True
-            renewer._busy = False
-        if self._daemon is not None:
-            self._daemon.end_in_child()
-        self._reset()
+        state, self._state = self._state, _State()  # first: a parent's loop running on here finds itself stale
+        for daemon in (state.serving, state.launched):
+            if daemon is not None:
+                daemon.end_in_child()
 
-    def _round_after(self, interval, moment):
+    # -- the callers' side: no lock, no wait ------------------------------------------------------
+
+    def post(self, renewer):
+        """Hand ``renewer`` to the loop, starting one if none serves or is starting."""
+        state = self._state
+        renewer._posted_to = state
+        state.inbox.put(renewer)
+        if state.free:
+            launched = state.launched
+            if launched is None or not launched.is_alive():
+                self._launch(state)
+
+    def _launch(self, state):
+        ticket = []  # the loop's own Daemon, for it to know itself in ``launched``
+        daemon = Daemon(self._run, state, ticket, name=f"distlock-renew:{self.alias}")
+        ticket.append(daemon)
+        state.launched = daemon
+        daemon.start()
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _run(self, state, ticket):
+        """Serve ``state`` while this loop holds its token; end after a last look at the mailbox."""
+        me = ticket[0]
+        while state is self._state:
+            try:
+                state.free.pop()
+            except IndexError:
+                pass  # another loop serves: it looks at the mailbox before it gives the token up
+            else:
+                try:
+                    state.serving = me
+                    self._serve(state)
+                finally:
+                    state.serving = None
+                    state.free.append(True)
+            if state.launched is me:
+                state.launched = None
+            # A renewer posted before this look is ours to serve if the token is free; posted after,
+            # its caller sees no loop launched (or one that will look again) and starts one.
+            if not state.free or state.inbox.empty():
+                return
+
+    def _serve(self, state):
+        """Take in the renewers posted and extend the due ones, until none is left and the mailbox is empty."""
+        while state is self._state:
+            try:
+                if not self._turn(state):
+                    return
+            except BaseException as exc:
+                if killed(exc):
+                    raise  # the parent's loop, ended on purpose in a forked child
+                # Every renewer of a round went back to the heap or ended (``_round``'s finally): carry on.
+                logger.exception("The renewal scheduler of alias %r failed a round; it carries on", self.alias)
+
+    def _turn(self, state):
+        """Wait for the next deadline or a post, then serve what is due; return False once nothing is left."""
+        wait = max(state.heap[0][0] - time.monotonic(), 0.0) if state.renewers and state.heap else 0.0
+        self._take_posted(state, wait)
+        if not state.renewers:
+            state.heap.clear()
+            return not state.inbox.empty()
+        due = self._take_due(state)
+        if due and state is self._state:
+            self._round(state, due)
+        return True
+
+    def _take_posted(self, state, wait):
+        """Take what callers posted, waiting up to ``wait`` seconds for the first."""
+        try:
+            renewer = state.inbox.get(timeout=wait) if wait > 0 else state.inbox.get(block=False)
+            while True:
+                self._take(state, renewer)
+                renewer = state.inbox.get(block=False)
+        except queue.Empty:
+            pass
+
+    def _take(self, state, renewer):
+        """Take in a renewer posted by ``start()``; forget one posted by ``stop()``."""
+        if renewer._cancelled:
+            self._end(state, renewer)
+        elif not renewer._ended and renewer not in state.renewers:
+            renewer._due = self._round_after(state, renewer._interval, renewer._due - renewer._interval)
+            heapq.heappush(state.heap, (renewer._next_at(), next(state.sequence), renewer))
+            state.renewers.add(renewer)
+
+    @staticmethod
+    def _round_after(state, interval, moment):
         """Return the first round of the renewal clock of ``interval`` after ``moment``: at most ``interval`` later.
 
         Leases of one ttl are extended on one clock, a round every interval from the first such
@@ -196,81 +329,42 @@ class _Scheduler:
         them in one call. A lease joins at the round after its acquisition, so its first extension
         comes sooner than ``interval`` after it, never later.
         """
-        anchor = self._anchors.setdefault(interval, moment + interval)
+        anchor = state.anchors.setdefault(interval, moment + interval)
         return anchor + math.floor((moment + interval - anchor) / interval) * interval
 
-    def add(self, renewer):
-        with self._lock:
-            renewer._due = self._round_after(renewer._interval, renewer._due - renewer._interval)
-            heapq.heappush(self._heap, (renewer._next_at(), next(self._sequence), renewer))
-            self._renewers.add(renewer)
-            if self._daemon is None:
-                self._daemon = Daemon(self._run, name=f"distlock-renew:{self.alias}")
-                self._daemon.start()
-        self._wake.set()
-
-    def wait_until_idle(self, renewer):
-        """Return once no extension of ``renewer`` is in flight (at once on the scheduler's own loop)."""
-        daemon = self._daemon
-        if daemon is not None and daemon.is_current():
-            return
-        with self._idle:
-            while renewer._busy:
-                self._idle.wait()
-
-    def _run(self):
-        while True:
-            with self._lock:
-                due = self._take_due()
-                if not due and not self._heap:
-                    self._daemon = None  # the next add() starts a new loop
-                    return
-                wait = None if due else self._heap[0][0] - time.monotonic()
-            if due:
-                try:
-                    self._serve(due)
-                except BaseException as exc:
-                    if killed(exc):
-                        raise  # the parent's loop, ended on purpose in a forked child
-                    # Every renewer went back to the heap or ended (``_serve``'s finally): carry on.
-                    logger.exception("The renewal scheduler of alias %r failed a round; it carries on", self.alias)
-            else:
-                self._wake.wait(max(wait, 0.0))
-                self._wake.clear()
-
-    def _take_due(self):
+    def _take_due(self, state):
         """Pop the renewers whose deadline has come, and with them those due within their ``_early`` margin: the
         leases renewed together stay due together, so a round of many leases becomes one call. Drop the
         cancelled ones."""
-        due, now = [], time.monotonic()
-        if not self._heap or self._heap[0][0] > now:
+        heap, due, now = state.heap, [], time.monotonic()
+        if not heap or heap[0][0] > now:
             now = -math.inf  # nothing due yet: pop only the cancelled ones at the head
-        while self._heap and (self._heap[0][0] <= now + self._heap[0][2]._early or self._heap[0][2]._cancelled):
-            _, _, renewer = heapq.heappop(self._heap)
-            if renewer._cancelled:
-                self._end(renewer)
+        while heap and (heap[0][0] <= now + heap[0][2]._early or heap[0][2]._cancelled or heap[0][2]._ended):
+            _, _, renewer = heapq.heappop(heap)
+            if renewer._cancelled or renewer._ended:
+                self._end(state, renewer)
             else:
                 due.append(renewer)
         return due
 
-    def _serve(self, due):
+    def _round(self, state, due):
         """Extend the leases of the due renewers in one ``extend_many`` call (one round trip where the backend
-        batches). Each renewer is busy during the turn, so a release waits for its own lease's extension."""
-        taking = []
-        with self._lock:
-            for renewer in due:
-                if renewer._cancelled:
-                    self._end(renewer)
-                else:
-                    renewer._busy = True
-                    taking.append(renewer)
+        batches). A renewer cancelled before the call is left out, one cancelled during it is not
+        settled (``Renewer.stop``)."""
         extending = []
         round_time = time.monotonic()
         try:
-            for renewer in taking:
-                extension = self._guarded(renewer, renewer._due_extension)
-                if extension is not None:
-                    extending.append((renewer, *extension))
+            leases = []
+            for renewer in due:
+                if not renewer._cancelled:
+                    lease = self._guarded(renewer, renewer._due_extension)
+                    if lease is not None:
+                        leases.append((renewer, lease))
+            # The ttls are read last (releases at max_hold above take time), with a last look at the flags.
+            for renewer, lease in leases:
+                ttl = None if renewer._cancelled else self._guarded(renewer, renewer._extension_ttl)
+                if ttl is not None:
+                    extending.append((renewer, lease, ttl))
             if extending:
                 started = time.monotonic()
                 backend = extending[0][1].backend
@@ -282,18 +376,16 @@ class _Scheduler:
                 except Exception as exc:  # noqa: BLE001 - the same for every lease of the call
                     outcomes = [exc] * len(extending)
                 for (renewer, lease, ttl), outcome in zip(extending, outcomes, strict=True):
-                    self._guarded(renewer, renewer._settle, lease, ttl, started, outcome)
+                    if not renewer._cancelled:
+                        self._guarded(renewer, renewer._settle, lease, ttl, started, outcome)
         finally:
-            with self._lock:
-                for renewer, _, _ in extending:
-                    renewer._due = self._round_after(renewer._interval, round_time)
-                for renewer in taking:
-                    renewer._busy = False
-                    if renewer._finished or renewer._cancelled:
-                        self._end(renewer)
-                    else:
-                        heapq.heappush(self._heap, (renewer._next_at(), next(self._sequence), renewer))
-                self._idle.notify_all()
+            for renewer, _, _ in extending:
+                renewer._due = self._round_after(state, renewer._interval, round_time)
+            for renewer in due:
+                if renewer._finished or renewer._cancelled:
+                    self._end(state, renewer)
+                else:
+                    heapq.heappush(state.heap, (renewer._next_at(), next(state.sequence), renewer))
 
     @staticmethod
     def _guarded(renewer, step, *args):
@@ -310,15 +402,16 @@ class _Scheduler:
             renewer._fail_closed(exc)
             return None
 
-    def _end(self, renewer):
-        """Drop ``renewer`` for good (with ``_lock`` held)."""
+    @staticmethod
+    def _end(state, renewer):
+        """Drop ``renewer`` for good."""
         renewer._ended = True
-        self._renewers.discard(renewer)
+        state.renewers.discard(renewer)
 
     def leases(self):
-        """Return the leases of the renewers not ended."""
-        with self._lock:
-            renewers = list(self._renewers)
+        """Return the leases renewed (one just started is listed once the loop has taken it in, at its next wake)."""
+        # ``set.copy`` copies in one step that the loop's changes cannot interleave: no lock needed to read.
+        renewers = self._state.renewers.copy()
         return [lease for lease in (renewer._lease_ref() for renewer in renewers if renewer.running)
                 if lease is not None]
 
@@ -328,27 +421,20 @@ _SCHEDULERS = weakref.WeakKeyDictionary()
 _FORKED = ForkedChildHook("_end_in_forked_child")
 
 
-def _new_schedulers_lock():
-    """A new lock, also in a forked child: the parent's may have been held by a thread that is not there."""
-    global _SCHEDULERS_LOCK  # noqa: PLW0603 - one lock per process
-    _SCHEDULERS_LOCK = threading.Lock()
-
-
-_new_schedulers_lock()
-os.register_at_fork(after_in_child=_new_schedulers_lock)
-
-
 def renewing(alias=None):
     """Return the leases this process renews right now (of ``alias``, or of every alias): for diagnostics."""
-    with _SCHEDULERS_LOCK:
-        schedulers = [scheduler for scheduler in _SCHEDULERS.values() if alias in (None, scheduler.alias)]
+    while True:
+        try:
+            schedulers = [scheduler for scheduler in _SCHEDULERS.values() if alias in (None, scheduler.alias)]
+            break
+        except RuntimeError:  # a scheduler made by another thread meanwhile: look again
+            continue
     return [lease for scheduler in schedulers for lease in scheduler.leases()]
 
 
 def _scheduler_of(backend):
-    with _SCHEDULERS_LOCK:
-        scheduler = _SCHEDULERS.get(backend)
-        if scheduler is None:
-            scheduler = _SCHEDULERS[backend] = _Scheduler(backend.alias)
-            _FORKED.add(scheduler)
-        return scheduler
+    """Return ``backend``'s scheduler, made on first use: callers making one at once keep the same (``setdefault``)."""
+    scheduler = _SCHEDULERS.get(backend)
+    if scheduler is None:
+        scheduler = _SCHEDULERS.setdefault(backend, _Scheduler(backend.alias))
+    return scheduler
