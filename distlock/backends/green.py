@@ -72,14 +72,26 @@ class _UnwaitedThread(threading.Thread):
         if not _CAN_START_UNWAITED:
             super().start()
             return
-        with threading._active_limbo_lock:  # noqa: SLF001 - what Thread.start() does, minus its wait
-            threading._limbo[self] = self  # noqa: SLF001
+        calling = False
         try:
+            with threading._active_limbo_lock:  # noqa: SLF001 - what Thread.start() does, minus its wait
+                threading._limbo[self] = self  # noqa: SLF001
+            calling = True
             threading._start_new_thread(self._bootstrap, ())  # noqa: SLF001
-        except BaseException:
-            with threading._active_limbo_lock:  # noqa: SLF001
-                threading._limbo.pop(self, None)  # noqa: SLF001
+        except RuntimeError:
+            self._unlist()  # "can't start new thread": as CPython's Thread.start() does
             raise
+        except BaseException:
+            # An interrupt (a time limit, which may be an ``Exception``). Landing as
+            # ``_start_new_thread`` returned, it finds the thread running, which lists itself out:
+            # taken out here, the thread died on KeyError in its bootstrap before running anything.
+            if not calling:
+                self._unlist()
+            raise
+
+    def _unlist(self):
+        with threading._active_limbo_lock:  # noqa: SLF001
+            threading._limbo.pop(self, None)  # noqa: SLF001
 
 
 #: The internals ``_UnwaitedThread.start`` uses exist (CPython 3.11 and 3.12); elsewhere it waits as usual.
@@ -118,8 +130,8 @@ class Daemon:
         if self._greenlet is not None:
             self._greenlet.start()
             return
-        self._alive = True  # before the thread runs: a second start() must see it alive
         try:
+            self._alive = True  # before the thread runs: a second start() must see it alive
             self._thread.start()
         except BaseException:
             self._alive = False
