@@ -5,9 +5,17 @@ caller (Celery's ``SoftTimeLimitExceeded``, ``gevent.Timeout``, ``KeyboardInterr
 ``BaseException`` that ``send_robust`` and ``except Exception`` let through.
 """
 
+import gc
+import itertools
 import logging
+import queue
+import random
+import signal
+import sys
 import threading
+import time
 import uuid
+from collections import Counter
 
 import pytest
 
@@ -17,6 +25,7 @@ from distlock.backends.locmem import LocMemBackend
 from distlock.handler import locks
 from distlock.renewal import Renewer, renewing
 from distlock.signals import lock_acquired, lock_lost, lock_released
+from tests import interrupted_waits
 from tests.conftest import BACKEND_ALIASES, alias_params, require_alias
 from tests.interrupted_waits import lines_that_break
 from tests.servers import wait_until
@@ -259,6 +268,217 @@ def test_an_interrupt_inside_the_backend_release_leaves_nothing_renewing(backend
     finally:
         monkeypatch.undo()
         backend.release_owned(lock_name, lease.owner)
+
+
+# -- the callers of the renewal scheduler -----------------------------------------------------------
+
+#: Seconds each extension of the lease under test stays in flight, so that its release meets it there.
+IN_FLIGHT = 0.03
+#: Seconds the whole probe may take before it counts as hung (a caller or a notifier blocked for good).
+PROBE_BOUND = 120
+
+
+def soon(predicate, timeout, what):
+    """Poll ``predicate`` every 5 ms until it is true; raise ``AssertionError`` naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not after {timeout:g} s")
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("phase", ["acquire", "release"])
+def test_a_caller_interrupted_anywhere_in_acquire_or_release_never_wedges_renewal(phase, lock_name, monkeypatch):
+    """Interrupt, at each of its lines in turn, ``acquire()`` of an auto-renewed lease, or its ``release()`` while an
+    extension of it is in flight: the interrupt comes out as itself, the alias keeps renewing (a new
+    lease is extended, within a bound), the interrupted lease's renewal ends and its lock goes, and
+    after the probe nothing is held or renewed.
+
+    Regression: the scheduler of 7a2e7ba took its lock and waited on a Condition on the caller's
+    thread (``start()``, and ``stop()`` waiting for an extension in flight); an interrupt there left
+    the lock held, and every renewal and acquisition of the alias after it blocked for good.
+    """
+    alias, ttl = "locmem", 0.3
+    backend = locks[alias]
+    monkeypatch.setattr(Renewer, "interval_ratio", 0.1)  # an extension every 30 ms
+    monkeypatch.setattr(interrupted_waits, "PATIENCE", 5.0)
+    watched, in_flight, extended = set(), queue.SimpleQueue(), Counter()
+    extend_many = backend.extend_many
+
+    def held_extend_many(requests):
+        extended.update(lease.owner for lease, _ in requests)
+        if any(lease.owner in watched for lease, _ in requests):
+            in_flight.put(None)
+            time.sleep(IN_FLIGHT)
+        return extend_many(requests)
+
+    monkeypatch.setattr(backend, "extend_many", held_extend_many)
+    tries = itertools.count()
+
+    def make():
+        name = f"{lock_name}:{next(tries)}"
+        held = []
+        if phase == "acquire":
+            def wait():
+                held.append(distlock.acquire(name, ttl=ttl, auto_renew=True, using=alias))
+        else:
+            held.append(distlock.acquire(name, ttl=ttl, auto_renew=True, using=alias))
+            watched.clear()
+            watched.add(held[0].owner)
+            while not in_flight.empty():
+                in_flight.get()
+            in_flight.get(timeout=5)  # an extension of the lease is on its way: the release meets it
+            wait = held[0].release
+
+        def notify():
+            watched.clear()
+            if held and not held[0].released:
+                held[0].release()  # interrupted before the release began: still the caller's to release
+            fresh = distlock.acquire(f"{name}:fresh", ttl=ttl, auto_renew=True, using=alias)
+            try:
+                soon(lambda: extended[fresh.owner] >= 1, 1.0, "an extension of a lease taken after the interrupt")
+            finally:
+                fresh.release()
+            if held:  # a lease that reached its caller: its renewal ends and its lock goes (one that did not
+                # gave its lock back, or was left to expire: checked after the probe)
+                soon(lambda: not held[0].renewer.running, 1.0, "the end of the interrupted lease's renewal")
+                distlock.acquire(name, ttl=ttl, timeout=ttl + 1, using=alias).release()
+
+        return wait, notify
+
+    found = []
+    probe = threading.Thread(target=lambda: found.append(lines_that_break(make, most=1000)), daemon=True)
+    probe.start()
+    probe.join(PROBE_BOUND)
+    assert not probe.is_alive(), f"the probe hung: a caller or a notifier blocked for good ({next(tries)} tries)"
+    assert found == [[]]
+    gc.collect()  # an acquire cut short at its return leaves its lease to the interrupt's traceback, now gone
+    soon(lambda: not [lease for lease in renewing(alias) if lease.name.startswith(lock_name)], 2, "renewals ended")
+    soon(lambda: not backend.held_locks(lock_name), 2 * ttl + 1, "every lock of the probe gone")
+
+
+#: Seconds the signal storm lasts.
+STORM_SECONDS = 5
+#: Seconds added to the aim of each interrupt: what arming the timer itself takes.
+TIMER_SLACK = 50e-6
+#: Seconds past the storm's end after which a call still running counts as blocked for good.
+STORM_GRACE = 5
+#: Lock names the storm takes: enough that most acquisitions find theirs free.
+NAMES = 64
+
+
+def test_a_signal_storm_on_the_callers_of_auto_renewed_leases_leaves_renewal_working_and_nothing_held(
+        lock_name, monkeypatch):
+    """SIGALRM raises in the main thread at random points of acquire() and release() of auto-renewed leases (as
+    Celery's soft time limit does), thousands of times: afterwards the alias still renews, and nothing
+    the storm took is held or renewed once its ttl has passed."""
+    alias, ttl = "locmem", 0.3
+    backend = locks[alias]
+    monkeypatch.setattr(Renewer, "interval_ratio", 0.1)  # an extension every 30 ms: releases meet them
+    extended = Counter()
+    extend_many = backend.extend_many
+
+    def counting_extend_many(requests):
+        extended.update(lease.owner for lease, _ in requests)
+        return extend_many(requests)
+
+    monkeypatch.setattr(backend, "extend_many", counting_extend_many)
+    rng = random.Random(16)
+    armed, held, counts, over = [False], [], Counter(), [False]
+
+    def on_alarm(signum, frame):
+        if armed[0] and not over[0]:
+            armed[0] = False
+            raise Interrupt("SIGALRM")
+
+    timings = {"acquire": [], "release": []}
+    for _ in range(20):  # how long each call takes, to aim the interrupts anywhere in it
+        started = time.monotonic()
+        lease = distlock.acquire(f"{lock_name}:calibrate", ttl=ttl, auto_renew=True, using=alias)
+        timings["acquire"].append(time.monotonic() - started)
+        started = time.monotonic()
+        lease.release()
+        timings["release"].append(time.monotonic() - started)
+    typical = {kind: sorted(seconds)[len(seconds) // 2] for kind, seconds in timings.items()}
+    unraisablehook = sys.unraisablehook
+
+    def on_unraisable(unraisable):
+        # Python drops an interrupt that lands in a finalizer or a weakref callback (GC): its own limit.
+        if isinstance(unraisable.exc_value, Interrupt):
+            counts["dropped by Python"] += 1
+        else:
+            unraisablehook(unraisable)
+
+    deadline = time.monotonic() + STORM_SECONDS
+    main = threading.main_thread().ident
+
+    def watchdog():
+        # A call that swallowed its interrupt and then blocked would block the test for good: interrupt it again.
+        while not over[0]:
+            time.sleep(0.1)
+            if not over[0] and time.monotonic() > deadline + STORM_GRACE:
+                counts["blocked"] += 1
+                armed[0] = True
+                signal.pthread_kill(main, signal.SIGALRM)
+
+    monkeypatch.setattr(sys, "unraisablehook", on_unraisable)
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    watching = threading.Thread(target=watchdog, daemon=True)
+    watching.start()
+    try:
+        while time.monotonic() < deadline:
+            kind = "release" if held and (len(held) > 3 or rng.random() < 0.5) else "acquire"
+            try:
+                try:
+                    armed[0] = True
+                    signal.setitimer(signal.ITIMER_REAL, rng.uniform(1e-6, 2 * typical[kind] + TIMER_SLACK))
+                    if kind == "release":
+                        held.pop(rng.randrange(len(held))).release()
+                    else:
+                        held.append(distlock.acquire(f"{lock_name}:{rng.randrange(NAMES)}", ttl=ttl, blocking=False,
+                                                     auto_renew=True, using=alias))
+                finally:
+                    armed[0] = False
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+                counts[kind] += 1
+            except Interrupt:
+                counts["interrupted"] += 1
+            except distlock.LockNotAcquired:
+                counts["busy"] += 1
+    finally:
+        over[0] = True
+        watching.join()  # before the handler goes: a late SIGALRM must still find ours, which ignores it now
+        signal.signal(signal.SIGALRM, previous)
+    assert not counts["blocked"], f"a call blocked for good during the storm ({dict(counts)})"
+    assert counts["interrupted"] > 100, counts
+
+    def still_renewing():
+        while held:
+            held.pop().release()
+        fresh = distlock.acquire(f"{lock_name}:fresh", ttl=ttl, auto_renew=True, using=alias)
+        try:
+            soon(lambda: extended[fresh.owner] >= 1, 2.0, "an extension of a lease taken after the storm")
+        finally:
+            fresh.release()
+        gc.collect()
+        soon(lambda: not [lease for lease in renewing(alias) if lease.name.startswith(lock_name)], 2, "renewals ended")
+        soon(lambda: not backend.held_locks(lock_name), 2 * ttl + 1, "every lock of the storm gone")
+
+    failures = []
+    checking = threading.Thread(target=lambda: failures.append(catch(still_renewing)), daemon=True)
+    checking.start()
+    checking.join(30)
+    assert not checking.is_alive(), f"renewal blocked for good after the storm ({dict(counts)})"
+    assert failures == [None], counts
+
+
+def catch(function):
+    """Return what ``function()`` raised, or None."""
+    try:
+        function()
+    except Exception as exc:  # noqa: BLE001 - the test reports it
+        return exc
+    return None
 
 
 # -- metrics ---------------------------------------------------------------------------------------
