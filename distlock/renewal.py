@@ -222,6 +222,10 @@ class _Scheduler:
     starts with the first renewer posted and ends when none is left.
     """
 
+    #: Heap entries of stopped renewers allowed beyond twice the live ones before the heap is rebuilt
+    #: (a released lease's entry otherwise stays until its deadline comes).
+    COMPACT_SLACK = 1024
+
     def __init__(self, alias):
         self.alias = alias
         self._state = _State()
@@ -296,10 +300,20 @@ class _Scheduler:
         if not state.renewers:
             state.heap.clear()
             return not state.inbox.empty()
+        if len(state.heap) > 2 * len(state.renewers) + self.COMPACT_SLACK:
+            self._compact(state)
         due = self._take_due(state)
         if due and state is self._state:
             self._round(state, due)
         return True
+
+    def _compact(self, state):
+        """Drop the heap entries of renewers stopped since they were pushed, which it keeps until they surface."""
+        for _, _, renewer in state.heap:
+            if renewer._cancelled or renewer._ended:
+                self._end(state, renewer)
+        state.heap = [entry for entry in state.heap if entry[2] in state.renewers]
+        heapq.heapify(state.heap)
 
     def _take_posted(self, state, wait):
         """Take what callers posted, waiting up to ``wait`` seconds for the first."""
