@@ -29,13 +29,13 @@ def port_open(port, host="127.0.0.1", timeout=0.5):
         return False
 
 
-def wait_until(predicate, timeout, what):
-    """Poll ``predicate`` every 50 ms until it is true; raise ``TimeoutError`` naming ``what``."""
+def wait_until(predicate, timeout, what, *, every=0.05):
+    """Poll ``predicate`` every ``every`` seconds until it is true; raise ``TimeoutError`` naming ``what``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
-        time.sleep(0.05)
+        time.sleep(every)
     raise TimeoutError(f"{what} not ready after {timeout}s")
 
 
