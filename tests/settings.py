@@ -31,6 +31,8 @@ DATABASES = {
     "locks": {
         "ENGINE": "django.db.backends.sqlite3",
         "NAME": os.path.join(TMP, f"{'test-' if CHILD else ''}distlock-locks-{RUN_ID}.sqlite3"),
+        # As "default": without WAL each commit of the flush after every test waits for a sync.
+        "OPTIONS": {"init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;"},
         "TEST": {"NAME": os.path.join(TMP, f"test-distlock-locks-{RUN_ID}.sqlite3")},
     },
 }
