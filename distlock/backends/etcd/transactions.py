@@ -66,7 +66,6 @@ _CREATE = etcdrpc.Compare.CREATE
 _EQUAL = etcdrpc.Compare.EQUAL
 _GREATER = etcdrpc.Compare.GREATER
 _BY_CREATE = etcdrpc.RangeRequest.CREATE
-_BY_KEY = etcdrpc.RangeRequest.KEY
 _ASCEND = etcdrpc.RangeRequest.ASCEND
 _DESCEND = etcdrpc.RangeRequest.DESCEND
 
@@ -190,8 +189,13 @@ def holder_request(lock_prefix):
 
 
 def listing_request(start, end, limit):
-    """Read the first ``limit`` keys from ``start`` up to ``end`` in key order: each lock's keys come together."""
-    return etcdrpc.RangeRequest(key=start, range_end=end, sort_target=_BY_KEY, sort_order=_ASCEND, limit=limit)
+    """Read the first ``limit`` keys from ``start`` up to ``end`` in key order: each lock's keys come together.
+
+    No sort order is asked: etcd returns a range in key order anyway, and with any sort order set it
+    reads the whole range before it sorts and cuts it to the limit (a first page took 0.75 s with
+    100,000 locks held; bench/listing.py).
+    """
+    return etcdrpc.RangeRequest(key=start, range_end=end, limit=limit)
 
 
 class Queue(NamedTuple):
