@@ -364,12 +364,7 @@ class Recorder:
         except Exception:
             self._failures += 1
             if level == logging.WARNING:
-                now = time.monotonic()
-                if self._failures < WARN_AFTER_FAILURES or (
-                        self._last_warning is not None and now - self._last_warning < WARN_EVERY):
-                    level = logging.DEBUG
-                else:
-                    self._last_warning = now
+                level = logging.DEBUG if self._failures < WARN_AFTER_FAILURES else self._warning_level()
             logger.log(level, "Could not add lock metrics to the store (database %r, %d failure(s) in a row); "
                        "keeping them and retrying every flush. Run `manage.py migrate distlock` if the table "
                        "is missing.", conf.get().database, self._failures, exc_info=True)
@@ -398,8 +393,8 @@ class Recorder:
                 # Settings that cannot be read (a router naming no database, which `manage.py check`
                 # reports as distlock.E006) must not end the thread: the events stay buffered, and are
                 # folded and flushed once the settings are readable again.
-                self._warn_now_and_then("Lock metrics could not be folded or flushed; keeping them and retrying "
-                                        "every second (`manage.py check` reports a bad setting).")
+                logger.log(self._warning_level(), "Lock metrics could not be folded or flushed; keeping them and "
+                           "retrying every second (`manage.py check` reports a bad setting).", exc_info=True)
 
     def _tick(self, next_flush):
         """Fold, and flush once ``next_flush`` (monotonic; None: not known yet) has come; return the next one."""
@@ -416,15 +411,13 @@ class Recorder:
         connections.close_all()
         return time.monotonic() + conf.get().flush_interval
 
-    def _warn_now_and_then(self, message):
-        """Log ``message`` with its traceback as a warning at most every ``WARN_EVERY`` seconds, else at DEBUG."""
+    def _warning_level(self):
+        """Return WARNING at most every ``WARN_EVERY`` seconds (a failure must show, but not fill the log), else DEBUG."""
         now = time.monotonic()
-        level = logging.WARNING
         if self._last_warning is not None and now - self._last_warning < WARN_EVERY:
-            level = logging.DEBUG
-        else:
-            self._last_warning = now
-        logger.log(level, message, exc_info=True)
+            return logging.DEBUG
+        self._last_warning = now
+        return logging.WARNING
 
     def _flush_at_exit(self):
         self._stopped.set()
