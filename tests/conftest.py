@@ -56,9 +56,9 @@ def alias_params(aliases, long_only_aliases=()):
     return params
 
 
-@pytest.fixture(params=list(BACKEND_ALIASES))
+@pytest.fixture(params=alias_params(BACKEND_ALIASES))
 def backend_alias(request):
-    """Each backend alias in turn, with access to every test database."""
+    """Each backend alias in turn, with the default database and the one its locks live in."""
     return require_alias(request.param)
 
 
@@ -68,9 +68,9 @@ LONG = os.environ.get("DISTLOCK_FAULTS_LONG") == "1"
 long_only = pytest.mark.skipif(not LONG, reason="left to DISTLOCK_FAULTS_LONG=1 make test (make test's time budget)")
 
 
-@pytest.fixture(params=SHARED_ALIASES)
+@pytest.fixture(params=alias_params(SHARED_ALIASES))
 def shared_alias(request):
-    """Each alias whose locks exclude other processes."""
+    """Each alias whose locks exclude other processes, with the default database and the one they live in."""
     return require_alias(request.param)
 
 

@@ -29,7 +29,9 @@ from tests.servers import wait_until
 from tests.servers.redis import RedisServer
 from tests.workers import spawn
 
-pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+#: The default database alone (the metrics recorder's and the worker processes'): the locks live in Redis,
+#: and emptying PostgreSQL and the locks database after each test took 0.1–0.2 s a test.
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default"])
 
 PREFIX = "distlock-own"
 
