@@ -38,7 +38,7 @@ from distlock.backends.deadlines import request_seconds
 from distlock.backends.green import green_library
 from distlock.backends.options import Option, positive_count, positive_number
 from distlock.conf import PRIVATE_MEMORY, SHARED_MEMORY, sqlite_memory
-from distlock.exceptions import LockWouldDeadlock
+from distlock.exceptions import BackendUnavailable, LockWouldDeadlock
 from distlock.holder import current_holder
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,14 @@ TABLE_LOCKED_PAUSE = 0.001
 BOUNDED_BY = "REQUEST_TIMEOUT or the caller's timeout"
 
 
+class WriteSlotBusy(BackendUnavailable):
+    """SQLite's write slot stayed taken by another writer for a whole request, which therefore changed nothing.
+
+    Raised as it is by release, extend and the listing. An acquire's try that has time left counts it
+    as "not granted yet" (``DatabaseBackend._try_acquire``) and the loop tries again.
+    """
+
+
 def lock_database(options):
     """The database of an alias's lock rows: its ``DATABASE`` option, else where the routers write ``Lock``.
 
@@ -76,9 +84,12 @@ class DatabaseBackend(BaseLockBackend):
     Acquire is one atomic statement (PostgreSQL) or one ``BEGIN IMMEDIATE`` transaction (SQLite) that
     also takes expired locks over and draws the next alias-wide fencing token. Waiters poll with a
     short jittered back-off. A request that cannot finish within ``REQUEST_TIMEOUT`` (or the caller's
-    timeout) raises ``BackendUnavailable``; on SQLite that includes the database staying locked by
-    another writer. On SQLite, locking inside this thread's open transaction on the same database
-    raises ``LockWouldDeadlock``.
+    timeout) raises ``BackendUnavailable``. On SQLite, another writer keeping the database's write slot
+    for a whole request made that request change nothing: a blocking acquire with time left counts the
+    try as "not granted yet" and tries again, like for a held lock; once its timeout has run out, and for
+    a non-blocking acquire, release, extend and the listing, it raises ``BackendUnavailable`` ("stayed
+    locked by another writer", ``WriteSlotBusy``). On SQLite, locking inside this thread's open
+    transaction on the same database raises ``LockWouldDeadlock``.
     """
 
     capabilities = frozenset({SAFE_FENCING_TOKENS})
@@ -257,9 +268,11 @@ class DatabaseBackend(BaseLockBackend):
                         raise self.unavailable(
                             operation, f"the database did not answer within {bound:.3g}s ({BOUNDED_BY})") from exc
                     if getattr(exc.__cause__, "sqlite_errorname", "") == "SQLITE_BUSY":
-                        raise self.unavailable(
+                        # Every step's transaction rolled back (and the pool closes this connection):
+                        # the request changed nothing, so an acquire may try again (``_try_acquire``).
+                        raise WriteSlotBusy(*self.unavailable(
                             operation, f"the SQLite database stayed locked by another writer for {bound:.3g}s "
-                                       f"({BOUNDED_BY}); keep write transactions short") from exc
+                                       f"({BOUNDED_BY}); keep write transactions short").args) from exc
                     if retried or not reused or wrapper.is_usable() or time.monotonic() >= ends:
                         raise
                     logger.info("Alias %r: a connection to DATABASES[%r] was found broken (%s); reconnecting once.",
@@ -314,8 +327,17 @@ class DatabaseBackend(BaseLockBackend):
         holder = current_holder()
         params = {"name": attempt.name, "owner": attempt.owner, "ttl": attempt.ttl, "host": holder.host[:255],
                   "pid": holder.pid, "task_id": holder.task_id[:255]}
-        row = self._run(self._dialect.acquire, params, operation=f"acquire lock {attempt.name!r}",
-                        deadline=attempt.deadline)
+        try:
+            row = self._run(self._dialect.acquire, params, operation=f"acquire lock {attempt.name!r}",
+                            deadline=attempt.deadline)
+        except WriteSlotBusy as exc:
+            # Another writer kept SQLite's write slot for this whole try, whose transaction rolled back:
+            # the lock was not even looked at. A blocking call with time left waits as for a held lock;
+            # one out of time (or non-blocking) says why it could not look.
+            if attempt.out_of_time():
+                raise
+            logger.info("%s; trying again within the caller's timeout.", str(exc).rstrip("."))
+            return None
         if row is None:
             return None
         token, acquired_at, _expires_at = row
