@@ -1,7 +1,9 @@
 """What only the database backend promises: its own connection, the SQLite write slot, the server's clock."""
 
+import contextlib
 import glob
 import json
+import logging
 import os
 import socket
 import sqlite3
@@ -28,6 +30,7 @@ from distlock.models import FencingRejection, Lock
 from tests.conftest import LONG, require_alias
 from tests.faults.proxy import FaultProxy
 from tests.interrupted_waits import lines_that_break
+from tests.servers import wait_until
 from tests.workers import ROOT, child_env, read_events, spawn
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
@@ -188,6 +191,76 @@ def test_sqlite_write_slot_held_by_another_connection_raises_backend_unavailable
         distlock.acquire(lock_name, ttl=5, blocking=False, using="default").release()
     finally:
         other.close()
+
+
+@contextlib.contextmanager
+def write_slot_held(until, what):
+    """Hold the write slot of SQLite database ``default`` from another connection until ``until()`` or the block ends.
+
+    The connection lives on a thread of its own, which polls ``until`` (``what`` names it) and then
+    rolls back.
+    """
+    held, done, failures = threading.Event(), threading.Event(), []
+
+    def hold():
+        other = sqlite3.connect(connections["default"].settings_dict["NAME"], isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            held.set()
+            wait_until(lambda: done.is_set() or until(), 60, what)
+            other.execute("ROLLBACK")
+        except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
+            failures.append(exc)
+        finally:
+            other.close()
+            held.set()
+
+    thread = threading.Thread(target=hold, name="write-slot-holder", daemon=True)
+    thread.start()
+    try:
+        assert held.wait(30) and not failures, failures
+        yield
+    finally:
+        done.set()
+        thread.join(30)
+    assert not thread.is_alive() and not failures, failures
+
+
+def busy_tries(caplog):
+    """The tries of blocking acquires that found the write slot busy and will try again, as logged."""
+    return sum("trying again within the caller's timeout" in record.getMessage() for record in caplog.records)
+
+
+def test_sqlite_blocking_acquire_waits_out_a_busy_write_slot_within_its_timeout(lock_name, settings, caplog):
+    # Issue 16: another writer keeping the slot past one request's bound (REQUEST_TIMEOUT 0.5 s) is
+    # contention, not an outage: the call tries again, as for a held lock, and gets the lock once the
+    # slot is free, well within its own timeout.
+    add_alias(settings, "sqlite_short", DATABASE="default", REQUEST_TIMEOUT=0.5)
+    caplog.set_level(logging.INFO, logger="distlock.backends.database")
+    with write_slot_held(until=lambda: busy_tries(caplog) >= 2, what="two tries finding the write slot busy"):
+        lease = distlock.acquire(lock_name, ttl=30, timeout=30, using="sqlite_short")
+    try:
+        assert busy_tries(caplog) >= 2
+        assert lease.attempts >= 3
+        assert lease.remaining() > 20
+    finally:
+        assert lease.release() is True
+
+
+def test_sqlite_blocking_acquire_raises_backend_unavailable_once_the_write_slot_outlives_its_timeout(
+        lock_name, settings, caplog):
+    add_alias(settings, "sqlite_short", DATABASE="default", REQUEST_TIMEOUT=0.5)
+    caplog.set_level(logging.INFO, logger="distlock.backends.database")
+    timeout = 1.5
+    with write_slot_held(until=lambda: False, what="the end of the acquire"):
+        started = time.monotonic()
+        with pytest.raises(distlock.BackendUnavailable, match="stayed locked by another writer"):
+            distlock.acquire(lock_name, ttl=5, timeout=timeout, using="sqlite_short")
+        waited = time.monotonic() - started
+    # Tried until its timeout ran out, then no longer than one more request (REQUEST_TIMEOUT) past it.
+    assert busy_tries(caplog) >= 1
+    assert timeout <= waited < timeout + 0.5 + 1.5
+    distlock.acquire(lock_name, ttl=5, blocking=False, using="sqlite_short").release()
 
 
 # -- the database's clock decides ------------------------------------------------------------------
