@@ -1,12 +1,13 @@
 """Distributed locks for Django with fencing tokens, on the backend named in ``settings.DISTLOCK``."""
 
-from distlock.api import acquire, lock, read_lock, write_lock
+from distlock.api import acquire, lock, lock_many, read_lock, write_lock
 from distlock.exceptions import (
     BackendUnavailable,
     InvalidLockBackendError,
     LockError,
     LockLost,
     LockNotAcquired,
+    LockOrderError,
     LockSuspended,
     LockWouldDeadlock,
     NotSupported,
@@ -15,7 +16,7 @@ from distlock.exceptions import (
     UnsafeFencingToken,
 )
 from distlock.handler import locks
-from distlock.lease import Lease
+from distlock.lease import Lease, LeaseSet
 
 __version__ = "0.1.0"
 
@@ -23,9 +24,11 @@ __all__ = [
     "BackendUnavailable",
     "InvalidLockBackendError",
     "Lease",
+    "LeaseSet",
     "LockError",
     "LockLost",
     "LockNotAcquired",
+    "LockOrderError",
     "LockSuspended",
     "LockWouldDeadlock",
     "NotSupported",
@@ -34,6 +37,7 @@ __all__ = [
     "UnsafeFencingToken",
     "acquire",
     "lock",
+    "lock_many",
     "locks",
     "read_lock",
     "write_lock",

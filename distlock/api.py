@@ -1,17 +1,18 @@
-"""The public entry points: ``acquire()``, ``lock()``, ``read_lock()`` and ``write_lock()``."""
+"""The public entry points: ``acquire()``, ``lock()``, ``lock_many()``, ``read_lock()`` and ``write_lock()``."""
 
 import functools
 import logging
 import time
 
-from distlock import metrics
+from distlock import hierarchy, metrics
 from distlock.conf import DEFAULT_ALIAS
 from distlock.exceptions import BackendUnavailable, LockNotAcquired
 from distlock.handler import locks
+from distlock.lease import LeaseSet
 from distlock.signals import lock_acquired, send_robustly
 from distlock.validation import validate_alias, validate_flag, validate_name, validate_seconds
 
-__all__ = ["acquire", "lock", "read_lock", "write_lock"]
+__all__ = ["acquire", "lock", "lock_many", "read_lock", "write_lock"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,14 +30,13 @@ def acquire(name, ttl=None, timeout=None, blocking=True, using=DEFAULT_ALIAS, au
         (default: ``OPTIONS["MAX_HOLD"]``); without auto-renewal it caps the ttl.
     :raises LockNotAcquired: the lock is held (non-blocking) or stayed held past ``timeout``.
     :raises BackendUnavailable: the server did not answer within the timeout.
+    :raises LockOrderError: ``DISTLOCK_HIERARCHY`` ranks ``name`` coarser than a lock the caller holds.
     """
     name = validate_name(name)
-    validate_alias(using)
-    validate_seconds("ttl", ttl, allow_none=True)
-    validate_seconds("timeout", timeout, allow_none=True, allow_zero=True)
-    validate_seconds("max_hold", max_hold, allow_none=True)
-    validate_flag("blocking", blocking)
-    validate_flag("auto_renew", auto_renew, allow_none=True)
+    _validate_options(ttl, timeout, blocking, using, auto_renew, max_hold)
+    ranked = hierarchy.prefixes()
+    if ranked:
+        hierarchy.check_order((name,), ranked)
     backend = locks[using]
     settings = backend.settings
     ttl = settings["DEFAULT_TTL"] if ttl is None else ttl
@@ -84,10 +84,21 @@ def acquire(name, ttl=None, timeout=None, blocking=True, using=DEFAULT_ALIAS, au
         send_robustly(lock_acquired, "lock_acquired", sender=type(backend), alias=using, lease=lease)
         if lease.renewer is not None:
             lease.renewer.start()
+        if ranked:
+            hierarchy.hold(lease, ranked)
     except BaseException:
         _give_back(lease, announced)
         raise
     return lease
+
+
+def _validate_options(ttl, timeout, blocking, using, auto_renew, max_hold):
+    validate_alias(using)
+    validate_seconds("ttl", ttl, allow_none=True)
+    validate_seconds("timeout", timeout, allow_none=True, allow_zero=True)
+    validate_seconds("max_hold", max_hold, allow_none=True)
+    validate_flag("blocking", blocking)
+    validate_flag("auto_renew", auto_renew, allow_none=True)
 
 
 def _give_back(lease, announced):
@@ -172,3 +183,124 @@ class write_lock(lock):  # noqa: N801
     """Like ``lock()``, exclusive against readers and writers of the same read/write lock."""
 
     _mode = "write"
+
+
+class lock_many:  # noqa: N801 - used like a function: ``with lock_many(...)`` and ``@lock_many(...)``
+    """Hold every lock of ``names`` for a ``with`` block or for each call of a decorated function.
+
+    .. code-block:: python
+
+        with distlock.lock_many([f"account:{source}", f"account:{target}"], ttl=10, timeout=5) as leases:
+            ...  # leases.token_for("account:7"), Account.objects.claim(leases, pk=7)
+
+    ``with lock_many(...) as leases`` gives a ``LeaseSet``. The distinct names are taken one at a time
+    in one canonical order whatever the order given: sorted, and with ``DISTLOCK_HIERARCHY`` coarse
+    levels first, then sorted within a level. So two callers wanting overlapping sets never each hold
+    a lock the other waits for. A name given twice (in any Unicode spelling) is one lock.
+
+    All or nothing, within one ``timeout`` for the whole set: each acquisition waits for what is left
+    of it (with nothing left, it still tries once). If one fails, or any exception arrives while they
+    are taken (``KeyboardInterrupt``, a Celery time limit), the leases already taken are released, last
+    first, and the exception is raised: ``LockNotAcquired`` on a timeout or a busy lock,
+    ``BackendUnavailable``, ``LockOrderError``... as ``acquire()`` raises them. A lease whose ttl ran
+    out while the others were awaited fails the set too (``LockNotAcquired``): use a ttl longer than
+    the timeout, or ``auto_renew``. Each lease the interrupted cleanup cannot release has its renewal
+    cancelled first and is freed by the server at its ttl, as ``acquire()`` does with a grant it
+    cannot hand out.
+
+    The other arguments are ``acquire()``'s, applied to every lock of the set, on one alias.
+    """
+
+    def __init__(self, names, *, ttl=None, timeout=None, blocking=True, using=DEFAULT_ALIAS, auto_renew=None,
+                 max_hold=None):
+        self._names = _distinct_names(names)
+        _validate_options(ttl, timeout, blocking, using, auto_renew, max_hold)
+        self._kwargs = dict(ttl=ttl, timeout=timeout, blocking=blocking, using=using, auto_renew=auto_renew,
+                            max_hold=max_hold)
+        self._sets = []
+
+    def __repr__(self):
+        return f"<lock_many {list(self._names)!r} alias={self._kwargs['using']!r}>"
+
+    def __enter__(self):
+        leases = _acquire_many(self._names, **self._kwargs)
+        try:
+            self._sets.append(leases)
+        except BaseException:
+            # Interrupted before the ``with`` block began: ``__exit__`` will not run, so release here.
+            if self._sets and self._sets[-1] is leases:
+                self._sets.pop()
+            _give_back_all(leases.leases)
+            raise
+        return leases
+
+    def __exit__(self, exc_type, exc, tb):
+        self._sets.pop().release()
+        return False
+
+    def __call__(self, func):
+        @functools.wraps(func)
+        def locked(*args, **kwargs):
+            leases = _acquire_many(self._names, **self._kwargs)
+            try:
+                return func(*args, **kwargs)
+            finally:
+                leases.release()
+
+        return locked
+
+
+def _distinct_names(names):
+    """Return the distinct lock names of ``names`` (validated, NFC), in the order given."""
+    if isinstance(names, (str, bytes)) or not hasattr(names, "__iter__"):
+        raise TypeError(f"lock_many() takes an iterable of lock names (e.g. a list), got {type(names).__name__} "
+                        f"{names!r}; for one lock use lock().")
+    distinct = tuple(dict.fromkeys(validate_name(name) for name in names))
+    if not distinct:
+        raise ValueError("lock_many() needs at least one lock name.")
+    return distinct
+
+
+def _acquire_many(names, *, ttl, timeout, blocking, using, auto_renew, max_hold):
+    """Acquire the validated, distinct ``names`` in canonical order, all or nothing; return their ``LeaseSet``."""
+    ranked = hierarchy.prefixes()
+    ordered = sorted(names, key=hierarchy.order_key(ranked)) if ranked else sorted(names)
+    if ranked:
+        hierarchy.check_order(ordered, ranked)  # every name before any I/O
+    if timeout == 0:
+        blocking = False
+    deadline = None if timeout is None or not blocking else time.monotonic() + timeout
+    taken = []
+    # From the first grant on, every exit but the return releases what was taken: an exception from
+    # acquire(), or any BaseException landing between two acquisitions. A lease on its way out of
+    # acquire() when one lands is not in ``taken`` yet: that is acquire()'s own window (3), and the
+    # same rule covers it: nothing renews it, the server frees it at its ttl.
+    try:
+        for name in ordered:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            taken.append(acquire(name, ttl=ttl, timeout=remaining, blocking=blocking, using=using,
+                                 auto_renew=auto_renew, max_hold=max_hold))
+        expired = next((lease for lease in taken if lease.lost), None)
+        if expired is not None:
+            raise LockNotAcquired(
+                f"Locks {ordered!r} on alias '{using}' not acquired: lock {expired.name!r} ran out of its ttl of "
+                f"{expired.ttl:g}s while the others were awaited; use a ttl longer than the timeout, or auto_renew=True."
+            )
+        leases = LeaseSet(taken)
+    except BaseException:
+        _give_back_all(taken)
+        raise
+    return leases
+
+
+def _give_back_all(taken):
+    """Release the leases ``taken`` by a ``lock_many()`` that fails, last first; log, never raise, errors.
+
+    Every renewal is cancelled before the first release, so if another exception cuts the releases
+    short, the leases left are renewed no more and the server frees them at their ttl.
+    """
+    for lease in taken:
+        if lease.renewer is not None:
+            lease.renewer.cancel()
+    for lease in reversed(taken):
+        _give_back(lease, announced=True)

@@ -10,6 +10,7 @@ __all__ = [
     "LockError",
     "LockLost",
     "LockNotAcquired",
+    "LockOrderError",
     "LockSuspended",
     "LockWouldDeadlock",
     "NotSupported",
@@ -66,6 +67,18 @@ class NotSupported(LockError, NotImplementedError):
 
 class LockWouldDeadlock(LockError):
     """Acquiring would wait for the caller itself (its open SQLite transaction may hold the only write slot)."""
+
+
+class LockOrderError(LockError):
+    """Acquiring would take a coarser lock while this thread or task holds a finer one (``DISTLOCK_HIERARCHY``).
+
+    Raised before any I/O; ``name`` is the lock asked for, ``held`` the finer one already held.
+    """
+
+    def __init__(self, message, *, name=None, held=None):
+        self.name = name
+        self.held = held
+        super().__init__(message)
 
 
 class StaleFencingToken(LockError):

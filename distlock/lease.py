@@ -9,9 +9,9 @@ from distlock import metrics
 from distlock.exceptions import LockLost, LockSuspended
 from distlock.renewal import Renewer
 from distlock.signals import lock_lost, lock_released, send_robustly
-from distlock.validation import validate_seconds
+from distlock.validation import validate_name, validate_seconds
 
-__all__ = ["Lease"]
+__all__ = ["Lease", "LeaseSet"]
 
 logger = logging.getLogger(__name__)
 
@@ -222,6 +222,91 @@ class Lease:
         if announce:
             send_robustly(lock_released, "lock_released", sender=type(self.backend), alias=self.alias, lease=self,
                           released=released)
+        return released
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.release()
+        return False
+
+
+class LeaseSet:
+    """The leases ``lock_many()`` took, one per distinct name, in the order it took them.
+
+    Released together, in reverse order, by ``release()`` or at the end of its ``with`` block. Its
+    repr shows names and tokens, never the owner ids (which release and extend compare).
+    """
+
+    def __init__(self, leases):
+        #: The member ``Lease`` objects in the canonical order they were taken.
+        self.leases = tuple(leases)
+        self._by_name = {lease.name: lease for lease in self.leases}
+
+    def __repr__(self):
+        state = "lost" if self.lost else "released" if self.released else "held"
+        members = ", ".join(f"{lease.name!r} token={lease.token}" for lease in self.leases)
+        alias = self.leases[0].alias if self.leases else None
+        return f"<LeaseSet alias={alias!r} [{members}] {state}>"
+
+    def __len__(self):
+        return len(self.leases)
+
+    def __iter__(self):
+        return iter(self.leases)
+
+    @property
+    def names(self):
+        """The lock names, in the order the leases were taken."""
+        return tuple(self._by_name)
+
+    def lease_for(self, name):
+        """Return the member ``Lease`` on lock ``name``; raise ``KeyError`` naming the set if there is none."""
+        lease = self._by_name.get(validate_name(name))
+        if lease is None:
+            raise KeyError(f"{name!r} is not one of the locks of {self!r}.")
+        return lease
+
+    def token_for(self, name):
+        """Return the fencing token of the member lease on lock ``name`` (``KeyError`` if there is none)."""
+        return self.lease_for(name).token
+
+    @property
+    def lost(self):
+        """True if any member lease is lost (see ``Lease.lost``)."""
+        return any(lease.lost for lease in self.leases)
+
+    @property
+    def released(self):
+        """True once every member lease is released."""
+        return all(lease.released for lease in self.leases)
+
+    def check(self):
+        """Raise ``LockLost`` or ``LockSuspended`` for the first member lease that would (``Lease.check()``)."""
+        for lease in self.leases:
+            lease.check()
+
+    def release(self):
+        """Release every member lease, last taken first; return True if each still owned its lock.
+
+        Renewal of every member is cancelled first (one flag each, nothing that blocks), so an
+        exception arriving during the releases (a time limit, ``KeyboardInterrupt``) leaves the rest
+        to expire at their ttl, never renewed. An error releasing one lease does not stop the others;
+        the first one is raised after them.
+        """
+        for lease in self.leases:
+            if lease.renewer is not None:
+                lease.renewer.cancel()
+        released, error = True, None
+        for lease in reversed(self.leases):
+            try:
+                released = lease.release() and released
+            except Exception as exc:  # noqa: BLE001 - raised after the other releases
+                released = False
+                error = error or exc
+        if error is not None:
+            raise error
         return released
 
     def __enter__(self):
