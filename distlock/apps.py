@@ -20,6 +20,7 @@ class DistlockConfig(AppConfig):
 
         checks.register(distlock_checks.check_distlock_setting, "distlock")
         checks.register(distlock_checks.check_metrics_setting, "distlock")
+        checks.register(distlock_checks.check_hierarchy_setting, "distlock")
 
         def reset_backends(*, setting, **kwargs):
             if setting in ("DISTLOCK", "DATABASES", "CACHES"):

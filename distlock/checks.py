@@ -8,6 +8,7 @@ from django.utils.module_loading import import_string
 
 from distlock.backends.base import BaseLockBackend
 from distlock.backends.redis_servers import describe
+from distlock import hierarchy
 from distlock.conf import DEFAULT_ALIAS, get_config
 
 __all__ = [
@@ -18,10 +19,12 @@ __all__ = [
     "E005",
     "E006",
     "E007",
+    "E008",
     "METRICS_VENDORS",
     "W001",
     "W002",
     "check_distlock_setting",
+    "check_hierarchy_setting",
     "check_metrics_setting",
 ]
 
@@ -32,6 +35,7 @@ E004 = "distlock.E004"  # an option is missing, unknown, or invalid
 E005 = "distlock.E005"  # two aliases keep keys under one prefix of one server
 E006 = "distlock.E006"  # DISTLOCK_METRICS is invalid
 E007 = "distlock.E007"  # the metrics store's database is not PostgreSQL or SQLite
+E008 = "distlock.E008"  # DISTLOCK_HIERARCHY is not a list of distinct non-empty prefixes
 W001 = "distlock.W001"  # a backend that can be secured is not (shown with DEBUG off)
 W002 = "distlock.W002"  # an option is set under the old name it had before distlock 1.0
 
@@ -116,3 +120,10 @@ def check_metrics_setting(app_configs=None, **kwargs):
                  "distlock app there works too), or DISTLOCK_METRICS['ENABLED'] = False.",
             id=E007)]
     return []
+
+
+def check_hierarchy_setting(app_configs=None, **kwargs):
+    """Report every fault of ``DISTLOCK_HIERARCHY``; while one remains, lock calls ignore the setting."""
+    return [Error(message, hint="List lock-name prefixes from coarse to fine, each once, e.g. "
+                                "['bank:', 'account:']; leave the setting out to check no order.", id=E008)
+            for message in hierarchy.problems(getattr(settings, "DISTLOCK_HIERARCHY", None))]
