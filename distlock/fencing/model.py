@@ -4,9 +4,10 @@ from django.db import models
 from django.utils.translation import gettext_lazy as _
 
 from distlock.fencing import statements
-from distlock.fencing.offers import offer_for_save
+from distlock.fencing.offers import lease_for_row, offer_for_save
 from distlock.fencing.queryset import FencedQuerySet
 from distlock.fencing.statements import TOKEN_FIELD
+from distlock.lease import LeaseSet
 
 __all__ = ["FencedModel"]
 
@@ -37,6 +38,11 @@ class FencedModel(models.Model):
     fencing_required = True
     #: True: accept leases whose backend cannot promise tokens that never go backwards (Redlock).
     allow_unsafe_tokens = False
+    #: The name of the lock that guards a row, as a format string over ``pk`` and the field names
+    #: (e.g. ``"account:{pk}"``): how ``claim()`` and ``save()`` given a ``LeaseSet`` (``lock_many()``)
+    #: pick the lease of each row. None: they refuse a ``LeaseSet``. Override ``lock_name_for()`` for
+    #: names a format string cannot build.
+    lock_name_template = None
 
     objects = FencedQuerySet.as_manager()
 
@@ -46,15 +52,36 @@ class FencedModel(models.Model):
     class Meta:
         abstract = True
 
+    @classmethod
+    def lock_name_for(cls, values):
+        """Return the name of the lock guarding the row with ``values`` (``pk`` and field names -> values).
+
+        ``save(lease=lease_set)`` passes the instance's values; ``claim(lease_set, **lookup)`` the
+        lookup's exact ones, so the name is known before the row is read. The default formats
+        ``lock_name_template``; raise ``KeyError`` for a value that is needed and missing.
+        """
+        if cls.lock_name_template is None:
+            raise TypeError(
+                f"{cls._meta.label} cannot tell which lock of a LeaseSet guards a row: set lock_name_template "
+                f'(e.g. lock_name_template = "account:{{pk}}") or override lock_name_for() on {cls.__name__}, '
+                "or pass the one lease (lease_set.lease_for(name))."
+            )
+        return cls.lock_name_template.format_map(values)
+
     def save(self, *, lease=None, fencing_token=None, **kwargs):
         """Save the row; with ``lease=`` or ``fencing_token=`` an update lands only if no higher token came first.
 
-        ``lease`` is checked before any I/O (``LockLost``, ``UnsafeFencingToken``). An insert stores
-        the token (``fencing_token`` stays 0 without one). ``update_fields`` always includes the token.
+        ``lease`` is checked before any I/O (``LockLost``, ``UnsafeFencingToken``). A ``LeaseSet``
+        from ``lock_many()`` gives the lease of the lock ``lock_name_for()`` names for this row. An
+        insert stores the token (``fencing_token`` stays 0 without one). ``update_fields`` always
+        includes the token.
 
         :raises StaleFencingToken: the row holds a higher token; nothing was written.
-        :raises ValueError: an update without a token while ``fencing_required`` is True.
+        :raises ValueError: an update without a token while ``fencing_required`` is True, or a
+            ``LeaseSet`` without the lock that guards this row.
         """
+        if isinstance(lease, LeaseSet):
+            lease = lease_for_row(type(self), lease, self)
         offer = offer_for_save(type(self), lease, fencing_token)
         if offer is None:
             return super().save(**kwargs)

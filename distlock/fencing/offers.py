@@ -2,10 +2,12 @@
 
 from dataclasses import dataclass
 
-from distlock.exceptions import UnsafeFencingToken
-from distlock.lease import Lease
+from django.core.exceptions import FieldDoesNotExist
 
-__all__ = ["MAX_TOKEN", "Offer", "offer", "offer_for_save"]
+from distlock.exceptions import UnsafeFencingToken
+from distlock.lease import Lease, LeaseSet
+
+__all__ = ["MAX_TOKEN", "Offer", "lease_for_lookup", "lease_for_row", "offer", "offer_for_save"]
 
 #: Largest token a ``BigIntegerField`` stores.
 MAX_TOKEN = 2**63 - 1
@@ -40,6 +42,11 @@ def offer(model, lease_or_token, argument):
     """Return the ``Offer`` of ``lease_or_token``, a ``Lease`` or an int token (``claim``, ``fenced_update``)."""
     if isinstance(lease_or_token, Lease):
         return _lease_offer(model, lease_or_token)
+    if isinstance(lease_or_token, LeaseSet):
+        raise TypeError(
+            f"{argument} must be one Lease or an int fencing token, got {lease_or_token!r}: every row this write "
+            "changes gets one token; pass the lease of the lock that guards them (lease_set.lease_for(name))."
+        )
     return _token_offer(lease_or_token, argument, "a distlock Lease or an int fencing token")
 
 
@@ -70,3 +77,66 @@ def _token_offer(token, argument, expected):
     if not 0 < token <= MAX_TOKEN:
         raise ValueError(f"{argument} must be a fencing token between 1 and 2**63 - 1, got {token}.")
     return Offer(token=token)
+
+
+# -- a LeaseSet (lock_many()): the member lease whose lock guards the row --------------------------
+
+def lease_for_row(model, lease_set, instance):
+    """Return the lease of ``lease_set`` on the lock guarding ``instance`` (``save(lease=lease_set)``)."""
+    return _member(model, lease_set, _InstanceValues(instance), f"pk={instance.pk!r}")
+
+
+def lease_for_lookup(model, lease_set, lookup):
+    """Return the lease of ``lease_set`` on the lock guarding the row ``lookup`` names (``claim(lease_set, ...)``).
+
+    The lock name is built from the lookup itself, before any I/O: only exact lookups on the fields
+    ``model.lock_name_template`` names count (``pk`` or the primary key's own name for ``{pk}``).
+    """
+    pk = model._meta.pk
+    values = {}
+    for key, value in lookup.items():
+        if key in ("pk", pk.name, pk.attname):
+            values.update({"pk": value, pk.name: value, pk.attname: value})
+            continue
+        try:
+            field = model._meta.get_field(key)
+        except FieldDoesNotExist:
+            continue  # e.g. "name__iexact": no exact value to build a name from
+        values.update({field.name: value, getattr(field, "attname", field.name): value})
+    return _member(model, lease_set, values, " ".join(f"{key}={value!r}" for key, value in lookup.items()))
+
+
+class _InstanceValues(dict):
+    """The values of a model instance by ``pk``, field name or attname (a foreign key gives its id), read as needed."""
+
+    def __init__(self, instance):
+        super().__init__()
+        self._instance = instance
+
+    def __missing__(self, key):
+        if key == "pk":
+            return self._instance.pk
+        try:
+            field = self._instance._meta.get_field(key)
+        except FieldDoesNotExist:
+            raise KeyError(key) from None
+        return getattr(self._instance, field.attname)
+
+
+def _member(model, lease_set, values, row):
+    label = f"{model._meta.label} {row}"
+    try:
+        name = model.lock_name_for(values)
+    except KeyError as exc:
+        raise TypeError(
+            f"{label}: the lock name template {model.lock_name_template!r} of {model.__name__} needs "
+            f"{exc.args[0]!r}, which is not given exactly; claim the row by the fields the template names "
+            "(e.g. pk=...)."
+        ) from None
+    try:
+        return lease_set.lease_for(name)
+    except KeyError:
+        raise ValueError(
+            f"{label} is guarded by lock {name!r} ({model.__name__}.lock_name_for()), which is not one of the "
+            f"locks of {lease_set!r}; nothing was written."
+        ) from None

@@ -4,8 +4,9 @@ from django.core.exceptions import FieldDoesNotExist
 from django.db import models
 
 from distlock.fencing import statements
-from distlock.fencing.offers import offer
+from distlock.fencing.offers import lease_for_lookup, offer
 from distlock.fencing.statements import TOKEN_FIELD
+from distlock.lease import LeaseSet
 
 __all__ = ["FencedQuerySet"]
 
@@ -74,13 +75,15 @@ class FencedQuerySet(models.QuerySet):
         The claim commits at once, so it refuses to run inside an open transaction: a rollback would
         take it back while you still hold the lock (see ``claim_in_transaction()``).
 
-        :param lease_or_token: a ``Lease`` (checked first: ``LockLost``, ``UnsafeFencingToken``) or an int token.
+        :param lease_or_token: a ``Lease`` (checked first: ``LockLost``, ``UnsafeFencingToken``), an int
+            token, or a ``LeaseSet`` (``lock_many()``): its lease on the lock ``model.lock_name_for()``
+            builds from ``lookup``, which must give the template's fields exactly (e.g. ``pk=7``).
         :param lookup: as for ``get()``; exactly one row must match.
         :raises StaleFencingToken: a higher token has claimed or written the row; nothing changed.
         :raises DoesNotExist: no row matches (``MultipleObjectsReturned`` if several do).
         :raises TransactionManagementError: called inside ``transaction.atomic()`` (or with autocommit off).
         """
-        return statements.claim(self._writing(), offer(self.model, lease_or_token, "lease_or_token"), lookup)
+        return statements.claim(self._writing(), self._claim_offer(lease_or_token, lookup), lookup)
 
     def claim_in_transaction(self, lease_or_token, **lookup):
         """``claim()`` as part of the caller's open transaction: the raised token commits or rolls back with it.
@@ -88,8 +91,13 @@ class FencedQuerySet(models.QuerySet):
         After a rollback the claim is void: older holders' writes are accepted again, so claim again
         before reading. For callers that must commit the claim together with other rows.
         """
-        return statements.claim(self._writing(), offer(self.model, lease_or_token, "lease_or_token"), lookup,
-                             in_transaction=True)
+        return statements.claim(self._writing(), self._claim_offer(lease_or_token, lookup), lookup,
+                                in_transaction=True)
+
+    def _claim_offer(self, lease_or_token, lookup):
+        if isinstance(lease_or_token, LeaseSet):
+            lease_or_token = lease_for_lookup(self.model, lease_or_token, lookup)
+        return offer(self.model, lease_or_token, "lease_or_token")
 
     def fenced_update(self, token, **fields):
         """Set ``fields`` (and the token) on every row of this queryset whose token is not newer; return the count.

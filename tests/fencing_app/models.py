@@ -8,6 +8,9 @@ from distlock.fencing import FencedModel
 class Account(FencedModel):
     """The usual case: every update must carry a token."""
 
+    #: How a ``LeaseSet`` (``lock_many()``) names the lock of each row (``tests/test_lock_many.py``).
+    lock_name_template = "account:{pk}"
+
     name = models.CharField(max_length=100, blank=True)
     balance = models.IntegerField(default=0)
     note = models.CharField(max_length=100, blank=True)
