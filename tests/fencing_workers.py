@@ -194,7 +194,39 @@ def increment_loop(lock_alias, db, name, pk, count, ttl, pause_chance, pause_max
     emit(op="done", signals=len(signals))
 
 
-SCENARIOS = {"fenced_increment": fenced_increment, "increment_loop": increment_loop}
+def transfers(lock_alias, db, source, target, amount, count, ttl, timeout):
+    """``count`` times: move ``amount`` from account ``source`` to ``target`` under ``lock_many()``, names in
+    that order (the other process gives them the other way round); claim both rows, save both in one transaction.
+
+    Reports "ready", waits for a line on stdin (so both processes start together), then reports when it
+    started and finished (``time.monotonic_ns()``, comparable between processes) and its longest wait.
+    """
+    from django.db import transaction  # noqa: PLC0415
+
+    import distlock  # noqa: PLC0415
+    from tests.fencing_app.models import Account  # noqa: PLC0415
+
+    waits = []
+    emit(event="ready")
+    sys.stdin.readline()
+    started = time.monotonic_ns()
+    for _ in range(count):
+        asked = time.monotonic()
+        with distlock.lock_many([f"account:{source}", f"account:{target}"], ttl=ttl, timeout=timeout,
+                                using=lock_alias) as leases:
+            waits.append(time.monotonic() - asked)
+            paying = Account.objects.using(db).claim(leases, pk=source)
+            paid = Account.objects.using(db).claim(leases, pk=target)
+            paying.balance -= amount
+            paid.balance += amount
+            with transaction.atomic(using=db):
+                paying.save(lease=leases, using=db)
+                paid.save(lease=leases, using=db)
+    emit(event="done", count=count, started=started, finished=time.monotonic_ns(), max_wait=max(waits),
+         pid=os.getpid())
+
+
+SCENARIOS = {"fenced_increment": fenced_increment, "increment_loop": increment_loop, "transfers": transfers}
 
 
 if __name__ == "__main__":
