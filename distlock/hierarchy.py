@@ -11,25 +11,22 @@ after ``setting_changed``; an invalid one is reported by the system check ``dist
 run time, logged once and ignored: no lock call raises for configuration.
 """
 
-import contextvars
 import logging
 import unicodedata
-import weakref
 
 from django.conf import settings
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
 from distlock.exceptions import LockOrderError
+from distlock.held import HeldLeases
 
 __all__ = ["check_order", "hold", "level", "order_key", "prefixes", "problems"]
 
 logger = logging.getLogger(__name__)
 
-#: Weak references to the ranked leases acquired in this context; released ones are dropped at the
-#: next acquisition. Weak, so that a lease its caller dropped unreleased is still collected and its
-#: renewal ends (``Renewer`` holds it weakly for the same reason).
-_held = contextvars.ContextVar("distlock_held_leases", default=())
+#: The ranked leases acquired in this context (weakly); released ones count no more.
+_held = HeldLeases("distlock_held_leases")
 
 #: The parsed setting (a tuple of prefixes, empty when unset or invalid); None until first read.
 _current = None
@@ -97,7 +94,7 @@ def order_key(ranked):
 
 
 def _live_holds():
-    return [lease for lease in (ref() for ref in _held.get()) if lease is not None and not lease.released]
+    return [lease for lease, _ in _held.entries()]
 
 
 def check_order(names, ranked):
@@ -123,4 +120,4 @@ def hold(lease, ranked):
     """Remember that this context holds ``lease``, if its name has a level."""
     if level(lease.name, ranked) is None:
         return
-    _held.set((*(weakref.ref(held) for held in _live_holds()), weakref.ref(lease)))
+    _held.add(lease)

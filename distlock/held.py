@@ -1,0 +1,60 @@
+"""The leases held in the current ``contextvars`` context, for ``DISTLOCK_HIERARCHY`` and for reentrancy.
+
+One context per thread, per asyncio task (which starts with a copy of its creator's) and per greenlet.
+The record is a tuple of immutable entries replaced by one ``ContextVar.set``, never mutated: an
+exception that lands between any two lines (``KeyboardInterrupt``, a Celery time limit) leaves the
+old record or the new one, never half of each. A context that starts as a copy of another changes
+only its own copy.
+
+Leases are held weakly, so that a lease its caller dropped unreleased is still collected and its
+renewal ends (``Renewer`` holds it weakly for the same reason); an entry whose lease was collected
+counts no more and is dropped at the next change.
+"""
+
+import contextvars
+import weakref
+
+__all__ = ["HeldLeases"]
+
+
+class HeldLeases:
+    """A per-context record of held leases, each with a piece of immutable data (or None)."""
+
+    def __init__(self, name, *, keep_released=False):
+        self._record = contextvars.ContextVar(name, default=())
+        #: False: an entry whose lease is released counts no more (it is skipped, then dropped at the
+        #: next change). True: it stays until removed, so its owner can still find it and its data.
+        self._keep_released = keep_released
+
+    def entries(self):
+        """Return ``(lease, data)`` for each entry that counts, oldest first."""
+        found = []
+        for ref, data in self._record.get():
+            lease = ref()
+            if lease is not None and (self._keep_released or not lease.released):
+                found.append((lease, data))
+        return found
+
+    def snapshot(self):
+        """Return the record as it is, for ``restore()``."""
+        return self._record.get()
+
+    def restore(self, snapshot):
+        """Put back a record taken by ``snapshot()`` (one set)."""
+        self._record.set(snapshot)
+
+    def add(self, lease, data=None):
+        """Record ``lease`` with ``data`` (one set)."""
+        self._record.set((*self._kept(), (weakref.ref(lease), data)))
+
+    def replace(self, lease, data):
+        """Give the entry of ``lease`` new ``data`` (one set); no-op if it has none."""
+        self._record.set(tuple((ref, data if ref() is lease else old) for ref, old in self._kept()))
+
+    def remove(self, lease):
+        """Forget ``lease`` (one set)."""
+        self._record.set(tuple((ref, data) for ref, data in self._kept() if ref() is not lease))
+
+    def _kept(self):
+        return tuple((ref, data) for ref, data in self._record.get()
+                     if (lease := ref()) is not None and (self._keep_released or not lease.released))
