@@ -1,10 +1,11 @@
 """The public entry points: ``acquire()``, ``lock()``, ``lock_many()``, ``read_lock()`` and ``write_lock()``."""
 
+import contextlib
 import functools
 import logging
 import time
 
-from distlock import hierarchy, metrics
+from distlock import hierarchy, metrics, reentrancy
 from distlock.conf import DEFAULT_ALIAS
 from distlock.exceptions import BackendUnavailable, LockNotAcquired
 from distlock.handler import locks
@@ -31,6 +32,8 @@ def acquire(name, ttl=None, timeout=None, blocking=True, using=DEFAULT_ALIAS, au
     :raises LockNotAcquired: the lock is held (non-blocking) or stayed held past ``timeout``.
     :raises BackendUnavailable: the server did not answer within the timeout.
     :raises LockOrderError: ``DISTLOCK_HIERARCHY`` ranks ``name`` coarser than a lock the caller holds.
+
+    There is no ``reentrant`` argument here (``lock(..., reentrant=True)`` has it): each call goes to the server.
     """
     name = validate_name(name)
     _validate_options(ttl, timeout, blocking, using, auto_renew, max_hold)
@@ -125,21 +128,37 @@ class lock:  # noqa: N801 - used like a function: ``with lock(...)`` and ``@lock
     Takes the same arguments as ``acquire()``. ``with lock(...) as lease`` gives the ``Lease``; the
     lock is released when the block exits, whatever the outcome. As a decorator each call acquires
     its own lease.
+
+    :param reentrant: True lets the thread, asyncio task or greenlet (and Celery task run) that holds
+        the lock through a ``reentrant=True`` block enter it again without a server round trip: the
+        inner block gets the same ``Lease`` (same token, the outer block's ``ttl``, ``auto_renew`` and
+        ``max_hold``), and the lock is released when the outermost block exits. A lost, expired or
+        released lease is not re-entered (``LockLost``). Another thread or task, a task started by
+        the holder included, and a plain ``lock()`` or ``acquire()`` of the name, wait for the
+        server as without reentrancy. See ``distlock.reentrancy`` for the details. Not for
+        ``read_lock()`` and ``write_lock()``; ``acquire()`` has no such argument, as the ``Lease``
+        it returns ends the lock with one ``release()``, whoever else is using it.
     """
 
     _mode = None
 
     def __init__(self, name, ttl=None, timeout=None, blocking=True, using=DEFAULT_ALIAS, auto_renew=None,
-                 max_hold=None):
+                 max_hold=None, *, reentrant=False):
         # Validate at construction too, so a bad decorator argument fails at import, not at the first call.
         name = validate_name(name)
+        self._reentrant = validate_flag("reentrant", reentrant)
+        if reentrant and self._mode is not None:
+            raise TypeError(f"{type(self).__name__}() cannot be reentrant: reentrant=True is for lock() only.")
         self._kwargs = dict(name=name, ttl=ttl, timeout=timeout, blocking=blocking, using=using,
                             auto_renew=auto_renew, max_hold=max_hold)
         if self._mode is not None:
             self._kwargs["mode"] = self._mode
+        #: The leases of the blocks in progress; with ``reentrant``, ``[lease]`` per block, in any order.
         self._leases = []
 
     def __enter__(self):
+        if self._reentrant:
+            return self._enter_reentrant()
         lease = acquire(**self._kwargs)
         try:
             self._leases.append(lease)
@@ -152,10 +171,16 @@ class lock:  # noqa: N801 - used like a function: ``with lock(...)`` and ``@lock
         return lease
 
     def __exit__(self, exc_type, exc, tb):
+        if self._reentrant:
+            self._exit_reentrant()
+            return False
         self._leases.pop().release()
         return False
 
     def __call__(self, func):
+        if self._reentrant:
+            return self._decorate_reentrant(func)
+
         @functools.wraps(func)
         def locked(*args, **kwargs):
             # Not ``with acquire(...)``: an exception landing as ``Lease.__enter__`` starts would skip
@@ -167,6 +192,87 @@ class lock:  # noqa: N801 - used like a function: ``with lock(...)`` and ``@lock
                 lease.release()
 
         return locked
+
+    # -- reentrant=True ------------------------------------------------------------------------
+    # One lock object may serve several threads and tasks at once (a module-level ``lock(...)``, a
+    # decorator): each block finds its lease in its own context's record, never by position in
+    # ``self._leases``, where each block keeps only a strong reference (the record holds leases weakly).
+    # Each step that changes the record is one ``ContextVar.set``; see ``distlock.reentrancy``.
+
+    def _enter_reentrant(self):
+        lease = _enter_reentrant(self._kwargs)
+        hold = [lease]  # built without a call, so no exception lands between the line above and the ``try``
+        try:
+            self._leases.append(hold)
+        except BaseException:
+            # Interrupted before the ``with`` block began: ``__exit__`` will not run, so end the block here.
+            if any(kept is hold for kept in tuple(self._leases)):
+                self._leases.remove(hold)
+            _exit_reentrant(reentrancy.held(self._kwargs["using"], self._kwargs["name"]))
+            raise
+        return lease
+
+    def _exit_reentrant(self):
+        found = reentrancy.held(self._kwargs["using"], self._kwargs["name"])
+        try:
+            _exit_reentrant(found)
+        finally:
+            # After the record changed: an interrupt in between leaves a strong reference too many
+            # (to a lease the record no longer counts, or still counts at the right depth), never one
+            # too few, which could let the lease be collected, unreleased, while its blocks run.
+            # Every block's hold of one lease is ``[lease]``: removing any one of them is right.
+            if found is not None:
+                with contextlib.suppress(ValueError):
+                    self._leases.remove([found[0]])
+
+    def _decorate_reentrant(self, func):
+        @functools.wraps(func)
+        def reentered(*args, **kwargs):
+            lease = _enter_reentrant(self._kwargs)  # noqa: F841 - this frame's strong reference to it
+            try:
+                return func(*args, **kwargs)
+            finally:
+                _exit_reentrant(reentrancy.held(self._kwargs["using"], self._kwargs["name"]))
+
+        return reentered
+
+
+def _enter_reentrant(kwargs):
+    """Re-enter the caller's reentrant hold of the lock (no I/O), or acquire it and hold it at depth 1."""
+    found = reentrancy.held(kwargs["using"], kwargs["name"])
+    before = reentrancy.snapshot()
+    if found is not None:
+        try:
+            return reentrancy.enter_again(*found)
+        except BaseException:
+            reentrancy.restore(before)  # an interrupt landing after the depth went up takes it back down
+            raise
+    lease = acquire(**kwargs)
+    try:
+        reentrancy.hold(lease)
+    except BaseException:
+        reentrancy.restore(before)
+        _give_back(lease, announced=True)
+        raise
+    return lease
+
+
+def _exit_reentrant(found):
+    """End one reentrant block of the hold ``found``: one fewer, or for the outermost, release and forget it.
+
+    The outermost block releases before it forgets: ``release()`` marks the lease released before any
+    I/O, so an interrupt in between leaves an entry that is never re-entered, never a "held" one.
+    """
+    if found is None:  # the record was already restored by an interrupted enter
+        return
+    lease, entry = found
+    if entry.depth > 1:
+        reentrancy.leave(lease, entry)
+        return
+    try:
+        lease.release()
+    finally:
+        reentrancy.forget(lease)
 
 
 class read_lock(lock):  # noqa: N801

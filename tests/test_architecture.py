@@ -33,8 +33,8 @@ LAYERS = [
     ("lease", ["distlock.lease", "distlock.renewal"]),
     # Each backend builds the leases it grants.
     ("backends", ["distlock.backends"]),
-    ("locks", ["distlock.handler", "distlock.api", "distlock.held", "distlock.hierarchy", "distlock.inventory",
-               "distlock.audit"]),
+    ("locks", ["distlock.handler", "distlock.api", "distlock.held", "distlock.hierarchy", "distlock.reentrancy",
+               "distlock.inventory", "distlock.audit"]),
     # FencedModel and its queryset, statements, offers and rejection log; querysets is a deprecated path.
     ("fencing", ["distlock.fencing", "distlock.querysets"]),
     ("public API", ["distlock", "distlock.celery"]),
