@@ -7,8 +7,10 @@
    python-redis-lock on the same server, with the target ratios.
 3. Every other module of this package that has a ``main(argv)`` (e.g. ``bench.celery``), with its defaults;
    ``bench.tries`` (grants/s of contended non-blocking tries per alias, next to Redis) takes its slot
-   length from ``DISTLOCK_BENCH_TRIES_SECONDS``, and ``bench.listing`` (the admin page's first page and
-   ``distlock list``'s stream with 1,000 to 100,000 locks held) its sizes from ``DISTLOCK_BENCH_LISTING_SIZES``.
+   length from ``DISTLOCK_BENCH_TRIES_SECONDS``, ``bench.listing`` (the admin page's first page and
+   ``distlock list``'s stream with 1,000 to 100,000 locks held) its sizes from ``DISTLOCK_BENCH_LISTING_SIZES``,
+   and ``bench.processes`` (1 to 16 processes on distinct names per alias, next to the bare-protocol floor)
+   its slot length from ``DISTLOCK_BENCH_PROCESSES_SECONDS``.
 
 The database backends need their tables: test databases are created (and dropped afterwards) as the
 test runner does, and worker processes use them.
