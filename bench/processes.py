@@ -6,15 +6,16 @@ For each alias whose server is up (``default`` is SQLite, then ``postgres``, ``r
 ``zookeeper``, ``etcd``), N worker processes loop uncontended acquire+release through the public API
 (``distlock.acquire(name, ttl=..., using=alias).release()``), each on a name of its own, from a common
 start time to a common end; then the same N processes run the alias's bare-protocol floor (the
-``floor()`` of ``bench/redis_baselines.py``, ``bench/zookeeper_baselines.py`` or
-``bench/etcd_baselines.py``, the code the baselines' floor rows run) in the slot after, rounds
-interleaved. Printed per alias and N: aggregate acquire+release pairs per second, the p99 of one
-pair's latency over every process, the floor's two figures, and the ratio distlock/floor (median over
-rounds of the two figures measured side by side).
+``floor()`` of ``bench/database_baselines.py``, ``bench/redis_baselines.py``,
+``bench/redlock_baselines.py``, ``bench/zookeeper_baselines.py`` or ``bench/etcd_baselines.py``, the
+code the baselines' floor rows run) in the slot after, rounds interleaved. Printed per alias and N:
+aggregate acquire+release pairs per second, the p99 of one pair's latency over every process, the
+floor's two figures, and the ratio distlock/floor (median over rounds of the two figures measured
+side by side).
 
-The database and Redlock backends have no floor in ``bench/``: their tables show distlock's figures
-alone. The header gives the machine's core count: beyond it the processes share cores, so the curve
-then measures the client's CPU cost as much as the server's.
+An alias whose backend has no floor in ``bench/`` (locmem, Redis set by ``CACHE``, Redlock under 5 masters)
+shows distlock's figures alone. The header gives the machine's core count: beyond it the processes
+share cores, so the curve then measures the client's CPU cost as much as the server's.
 
 The worker processes start once per alias (the most processes asked for), build both contenders and
 warm them up; a slot runs on the first N of them while the others wait. The schedule, the start
@@ -49,11 +50,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def floor_spec(alias):
     """Return the ``ContenderSpec`` of ``alias``'s bare-protocol floor from the baselines modules, or None."""
-    from bench import etcd_baselines, redis_baselines, zookeeper_baselines  # noqa: PLC0415
+    from bench import (  # noqa: PLC0415
+        database_baselines,
+        etcd_baselines,
+        redis_baselines,
+        redlock_baselines,
+        zookeeper_baselines,
+    )
 
     options = settings.DISTLOCK[alias].get("OPTIONS", {})
+    if alias in database_baselines.database_aliases():
+        return ContenderSpec("floor", "bench.database_baselines.floor",
+                             {"database": database_baselines.lock_database(alias)})
     if alias in redis_baselines.redis_aliases():
         return ContenderSpec("floor", "bench.redis_baselines.floor", {"url": options["URL"]})
+    if alias in redlock_baselines.redlock_aliases():
+        return ContenderSpec("floor", "bench.redlock_baselines.floor", {"urls": list(options["URLS"])})
     if alias in zookeeper_baselines.zookeeper_aliases():
         from distlock.handler import locks  # noqa: PLC0415
 
