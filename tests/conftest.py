@@ -1,11 +1,15 @@
 """Fixtures shared by the whole suite: the backend aliases under test and unique lock names."""
 
 import os
+import threading
 import uuid
 
 import pytest
 from django.conf import settings
+from django.db import connections
 
+import distlock
+from distlock.exceptions import LockNotAcquired
 from distlock.handler import locks
 
 #: Every alias the contract suite runs on -> the server kind ``python -m tests.servers`` starts for it
@@ -72,6 +76,26 @@ long_only = pytest.mark.skipif(not LONG, reason="left to DISTLOCK_FAULTS_LONG=1 
 def shared_alias(request):
     """Each alias whose locks exclude other processes, with the default database and the one they live in."""
     return require_alias(request.param)
+
+
+def free(alias, name):
+    """Return True if another holder, on another thread, gets ``name`` at once (and gives it back)."""
+    found = []
+
+    def try_once():
+        try:
+            distlock.acquire(name, ttl=5, blocking=False, using=alias).release()
+            found.append(True)
+        except LockNotAcquired:
+            found.append(False)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=try_once)
+    thread.start()
+    thread.join(30)
+    assert found, f"the non-blocking acquire of {name!r} did not finish"
+    return found[0]
 
 
 @pytest.fixture

@@ -4,13 +4,13 @@ import threading
 import time
 
 import pytest
-from django.db import connections
 
 import distlock
 from distlock import Lease, LeaseSet, LockError, LockNotAcquired, LockOrderError
 from distlock.checks import check_hierarchy_setting
 from distlock.handler import locks
 from distlock.signals import lock_acquired, lock_released
+from tests.conftest import free
 from tests.fencing_app.models import Account, LooseAccount
 from tests.fencing_workers import Worker
 
@@ -19,26 +19,6 @@ from tests.fencing_workers import Worker
 def names(lock_name):
     """Three names of this test, in their canonical (sorted) order."""
     return [f"{lock_name}:a", f"{lock_name}:b", f"{lock_name}:c"]
-
-
-def free(alias, name):
-    """Return True if another holder, on another thread, gets ``name`` at once (and gives it back)."""
-    found = []
-
-    def try_once():
-        try:
-            distlock.acquire(name, ttl=5, blocking=False, using=alias).release()
-            found.append(True)
-        except LockNotAcquired:
-            found.append(False)
-        finally:
-            connections.close_all()
-
-    thread = threading.Thread(target=try_once)
-    thread.start()
-    thread.join(30)
-    assert found, f"the non-blocking acquire of {name!r} did not finish"
-    return found[0]
 
 
 @pytest.fixture

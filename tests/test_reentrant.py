@@ -10,27 +10,8 @@ import distlock
 from distlock import LockLost, LockNotAcquired, LockOrderError, reentrancy
 from distlock.handler import locks
 from distlock.holder import current_task_id
+from tests.conftest import free
 from tests.servers import wait_until
-
-
-def free(alias, name):
-    """Return True if another holder, on another thread, gets ``name`` at once (and gives it back)."""
-    found = []
-
-    def try_once():
-        try:
-            distlock.acquire(name, ttl=5, blocking=False, using=alias).release()
-            found.append(True)
-        except LockNotAcquired:
-            found.append(False)
-        finally:
-            connections.close_all()
-
-    thread = threading.Thread(target=try_once)
-    thread.start()
-    thread.join(30)
-    assert found, f"the non-blocking acquire of {name!r} did not finish"
-    return found[0]
 
 
 @pytest.fixture
