@@ -330,7 +330,17 @@ class _SQLite(_Dialect):
     def connect(self, wrapper, bound, configured_options):
         wrapper.ensure_connection()
         # The busy timeout is how long a statement waits for the write slot: SQLite's only way to hang.
-        wrapper.connection.execute(f"PRAGMA busy_timeout = {int(bound * 1000)}")
+        # Set unless this very connection has it already: calls without a timeout of their own ask for the
+        # same one, call after call. Forgotten before the PRAGMA, so an interrupt leaves nothing remembered.
+        connection, busy_timeout = wrapper.connection, int(bound * 1000)
+        if getattr(wrapper, "distlock_busy_timeout", None) != (connection, busy_timeout):
+            wrapper.distlock_busy_timeout = None
+            connection.execute(f"PRAGMA busy_timeout = {busy_timeout}")
+            wrapper.distlock_busy_timeout = (connection, busy_timeout)
+
+    def disconnect(self, wrapper):
+        wrapper.distlock_busy_timeout = None  # keeps no closed connection alive
+        close_quietly(wrapper)
 
     def extend_many(self, cursor, requests):
         extended = set()

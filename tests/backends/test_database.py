@@ -193,6 +193,23 @@ def test_sqlite_write_slot_held_by_another_connection_raises_backend_unavailable
         other.close()
 
 
+def test_sqlite_busy_timeout_is_each_call_s_own_bound_on_a_reused_connection(lock_name):
+    # The PRAGMA is skipped when the connection has the value already: it must still follow each call.
+    backend = locks["default"]
+
+    def busy_timeout():
+        (connection,) = backend._pool._idle  # one thread: every call reused this one connection
+        return connection.connection.execute("PRAGMA busy_timeout").fetchone()[0]
+
+    backend._pool.close()
+    backend.release(backend.acquire(lock_name, ttl=5, timeout=None, blocking=True))
+    assert 4900 <= busy_timeout() <= 5000  # REQUEST_TIMEOUT
+    lease = backend.acquire(lock_name, ttl=5, timeout=2, blocking=True)
+    assert 1900 <= busy_timeout() <= 2000  # the caller's timeout, shorter
+    assert backend.release(lease) is True
+    assert 4900 <= busy_timeout() <= 5000
+
+
 @contextlib.contextmanager
 def write_slot_held(until, what):
     """Hold the write slot of SQLite database ``default`` from another connection until ``until()`` or the block ends.
