@@ -6,12 +6,18 @@ exception that lands between any two lines (``KeyboardInterrupt``, a Celery time
 old record or the new one, never half of each. A context that starts as a copy of another changes
 only its own copy.
 
+Each entry is stamped with the id of the process that made it. A child forked inside a block
+inherits its parent's record, but not its parent's leases: they stay the parent's on the server.
+The child's record therefore skips every entry stamped with another process, so a child never
+re-enters (``reentrant=True``) nor counts for ``DISTLOCK_HIERARCHY`` a lock its parent holds.
+
 Leases are held weakly, so that a lease its caller dropped unreleased is still collected and its
 renewal ends (``Renewer`` holds it weakly for the same reason); an entry whose lease was collected
 counts no more and is dropped at the next change.
 """
 
 import contextvars
+import os
 import weakref
 
 __all__ = ["HeldLeases"]
@@ -28,12 +34,7 @@ class HeldLeases:
 
     def entries(self):
         """Return ``(lease, data)`` for each entry that counts, oldest first."""
-        found = []
-        for ref, data in self._record.get():
-            lease = ref()
-            if lease is not None and (self._keep_released or not lease.released):
-                found.append((lease, data))
-        return found
+        return [(lease, data) for ref, data, _ in self._kept() if (lease := ref()) is not None]
 
     def snapshot(self):
         """Return the record as it is, for ``restore()``."""
@@ -45,16 +46,19 @@ class HeldLeases:
 
     def add(self, lease, data=None):
         """Record ``lease`` with ``data`` (one set)."""
-        self._record.set((*self._kept(), (weakref.ref(lease), data)))
+        self._record.set((*self._kept(), (weakref.ref(lease), data, os.getpid())))
 
     def replace(self, lease, data):
         """Give the entry of ``lease`` new ``data`` (one set); no-op if it has none."""
-        self._record.set(tuple((ref, data if ref() is lease else old) for ref, old in self._kept()))
+        self._record.set(tuple((ref, data if ref() is lease else old, pid) for ref, old, pid in self._kept()))
 
     def remove(self, lease):
         """Forget ``lease`` (one set)."""
-        self._record.set(tuple((ref, data) for ref, data in self._kept() if ref() is not lease))
+        self._record.set(tuple(entry for entry in self._kept() if entry[0]() is not lease))
 
     def _kept(self):
-        return tuple((ref, data) for ref, data in self._record.get()
-                     if (lease := ref()) is not None and (self._keep_released or not lease.released))
+        """Return the entries that count: made in this process, lease alive (and unreleased, unless kept)."""
+        pid = os.getpid()
+        return tuple((ref, data, made_in) for ref, data, made_in in self._record.get()
+                     if made_in == pid and (lease := ref()) is not None
+                     and (self._keep_released or not lease.released))

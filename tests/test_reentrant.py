@@ -1,6 +1,7 @@
 """``lock(name, reentrant=True)``: depth counting, one round trip for any depth, the same lease, who re-enters."""
 
 import asyncio
+import os
 import threading
 
 import pytest
@@ -10,7 +11,7 @@ import distlock
 from distlock import LockLost, LockNotAcquired, LockOrderError, reentrancy
 from distlock.handler import locks
 from distlock.holder import current_task_id
-from tests.conftest import free
+from tests.conftest import free, require_alias
 from tests.servers import wait_until
 
 
@@ -284,3 +285,49 @@ def test_bad_reentrant_arguments_are_refused_before_any_io():
         distlock.read_lock("x", reentrant=True)
     with pytest.raises(TypeError):
         distlock.acquire("x", reentrant=True)
+
+
+def _in_a_forked_child(probe):
+    """Run ``probe`` in a child forked here; return what it wrote (its result's repr, or the exception's type)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then end without running any test teardown
+        try:
+            os.close(read)
+            try:
+                outcome = repr(probe())
+            except Exception as error:  # noqa: BLE001 - the parent asserts on which one
+                outcome = type(error).__name__
+            os.write(write, outcome.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as child_report:
+        outcome = child_report.read()
+    os.waitpid(pid, 0)
+    return outcome
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+@pytest.mark.django_db(transaction=True, databases="__all__")
+@pytest.mark.parametrize("alias", ["default", "redis"])
+def test_a_child_forked_inside_a_reentrant_block_does_not_reenter_its_parent_s_lock(alias, lock_name):
+    require_alias(alias)
+    with distlock.lock(lock_name, ttl=30, using=alias, reentrant=True):
+        def reenter():
+            with distlock.lock(lock_name, blocking=False, using=alias, reentrant=True):
+                return "entered"
+
+        assert _in_a_forked_child(reenter) == "LockNotAcquired"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+@pytest.mark.django_db(transaction=True, databases="__all__")
+def test_a_child_forked_inside_a_block_does_not_count_its_parent_s_lock_for_the_hierarchy(lock_name, settings):
+    settings.DISTLOCK_HIERARCHY = ["bank:", "account:"]
+    with distlock.lock(f"account:{lock_name}", ttl=30):
+        def take_the_coarser_level():
+            with distlock.lock(f"bank:{lock_name}", blocking=False):
+                return "taken"
+
+        assert _in_a_forked_child(take_the_coarser_level) == "'taken'"
