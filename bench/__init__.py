@@ -4,6 +4,26 @@ import os
 import sys
 
 
+#: The server ``python -m tests.servers --servers`` starts for an alias of ``tests.settings``.
+SERVER_OF_ALIAS = {"postgres": "postgres", "redis": "redis", "redis_cache": "redis", "redlock": "redlock",
+                   "zookeeper": "zookeeper", "etcd": "etcd"}
+
+
+def configured_aliases(aliases):
+    """Return the aliases of ``aliases`` that are configured, printing a line for each one skipped."""
+    from django.conf import settings  # noqa: PLC0415 - settings are set up by the caller
+
+    chosen = []
+    for alias in aliases:
+        if alias in settings.DISTLOCK:
+            chosen.append(alias)
+            continue
+        server = SERVER_OF_ALIAS.get(alias)
+        reason = f"start it with --servers {server}" if server else "no such DISTLOCK alias"
+        print(f"[{alias}] skipped: not configured ({reason})")
+    return chosen
+
+
 def run_standalone(main):
     """Run one bench module as ``python -m bench.<name>`` under ``python -m tests.servers``.
 

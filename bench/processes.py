@@ -34,13 +34,12 @@ import uuid
 
 from django.conf import settings
 
-from bench import run_standalone
+from bench import configured_aliases, run_standalone
 from bench.harness import ContenderSpec, run_schedule, stop_workers, wait_until_ready
 
 #: The aliases of the test settings measured by default, in this order (locmem is per process).
 ALIASES = ("default", "postgres", "redis", "redlock", "zookeeper", "etcd")
 #: The server ``python -m tests.servers`` starts for each alias but the embedded SQLite one.
-SERVERS = {"postgres": "postgres", "redis": "redis", "redlock": "redlock", "zookeeper": "zookeeper", "etcd": "etcd"}
 #: Slot length when ``python -m bench`` runs this module (it passes no arguments).
 SECONDS_VARIABLE = "DISTLOCK_BENCH_PROCESSES_SECONDS"
 DEFAULT_SECONDS = 3.0
@@ -75,18 +74,6 @@ def floor_spec(alias):
                              {"endpoint": etcd_baselines.first_endpoint(options)})
     return None
 
-
-def chosen_aliases(aliases):
-    """Return the aliases to measure, saying which are skipped and why."""
-    chosen = []
-    for alias in aliases:
-        if alias not in settings.DISTLOCK:
-            server = SERVERS.get(alias)
-            reason = f"start it with --servers {server}" if server else "no such DISTLOCK alias"
-            print(f"[{alias}] skipped: its server is not configured ({reason})")
-            continue
-        chosen.append(alias)
-    return chosen
 
 
 # -- the parent -----------------------------------------------------------------------------------
@@ -164,7 +151,7 @@ def print_table(alias, figures, *, seconds, rounds):
 def run(*, aliases=ALIASES, processes=DEFAULT_PROCESSES, seconds=DEFAULT_SECONDS, rounds=1):
     print(f"Throughput as processes grow: {', '.join(map(str, processes))} processes; this machine has "
           f"{os.cpu_count()} cores (more processes than cores share them)")
-    for alias in chosen_aliases(aliases):
+    for alias in configured_aliases(aliases):
         try:
             floor = floor_spec(alias)
             figures = measure(alias, floor, processes=processes, seconds=seconds, rounds=rounds)

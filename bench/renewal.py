@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 
-from bench import run_standalone
+from bench import configured_aliases, run_standalone
 
 THREADS_TARGET = 2
 CPU_TARGET = 0.05
@@ -78,8 +78,6 @@ def main(argv=None):
     parser.add_argument("--ttl", type=float, default=15.0, help="ttl of each lease, seconds (default 15)")
     parser.add_argument("--seconds", type=float, default=30.0, help="seconds watched per row (default 30)")
     args = parser.parse_args(argv)
-    from django.conf import settings  # noqa: PLC0415
-
     counts = [int(count) for count in args.leases.split(",")]
     print(f"Auto-renewed leases in one process, ttl {args.ttl:g}s (renewed every {args.ttl / 3:g}s), watched for "
           f"{args.seconds:g}s after the first round. Targets: threads added <= {THREADS_TARGET}, CPU < "
@@ -87,10 +85,7 @@ def main(argv=None):
           "0 lost.")
     print(f"  {'alias':<10}{'leases':>8}{'acquired in':>13}{'threads added':>15}{'CPU of a core':>15}"
           f"{'calls/interval':>16}{'lost':>6}")
-    for alias in args.aliases.split(","):
-        if alias not in settings.DISTLOCK:
-            print(f"  {alias:<10}skipped: not configured (its server was not started)")
-            continue
+    for alias in configured_aliases(args.aliases.split(",")):
         for count in counts:
             try:
                 added, cpu, calls, lost, acquiring = watch(alias, count, args.ttl, args.seconds)
