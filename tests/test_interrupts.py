@@ -22,6 +22,7 @@ import pytest
 import distlock
 from distlock import metrics
 from distlock.backends.locmem import LocMemBackend
+from distlock.backends.offload import signals_can_raise
 from distlock.handler import locks
 from distlock.renewal import Renewer, renewing
 from distlock.signals import lock_acquired, lock_lost, lock_released
@@ -516,3 +517,17 @@ def test_the_interrupt_probe_catches_threading_event():
 
     problems = lines_that_break(make)
     assert any(problem == "the notifier blocked" for _, problem in problems), problems
+
+
+def test_only_a_python_level_handler_other_than_ctrl_c_s_counts_as_a_signal_that_can_raise():
+    saved = signal.getsignal(signal.SIGALRM)
+    try:
+        signal.signal(signal.SIGALRM, signal.SIG_IGN)
+        ignored = signals_can_raise()
+        signal.signal(signal.SIGALRM, lambda signum, frame: None)
+        handled = signals_can_raise()
+    finally:
+        signal.signal(signal.SIGALRM, saved)
+    assert (ignored, handled) == (False, True)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # pytest leaves Ctrl-C's own
+    assert not signals_can_raise()

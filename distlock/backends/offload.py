@@ -24,6 +24,8 @@ import os
 import queue
 import signal
 import threading
+
+import _signal
 from functools import partial
 
 from distlock.backends.green import Daemon
@@ -54,10 +56,11 @@ def signals_can_raise():
     gunicorn's worker handlers, a ``SIGALRM`` timeout). Ctrl-C's ``KeyboardInterrupt`` ends the
     process in practice, and handing every call over costs a thread switch each way (a third of the
     throughput of uncontended acquire+release on a busy 2-core machine), so it is left out. One C call
-    per signal: a few microseconds.
+    per signal, through ``_signal``: ``signal.getsignal`` turns every answer into an enum member in
+    Python, which made this check a visible share of an uncontended etcd or ZooKeeper acquire.
     """
     for signum in _SIGNALS:
-        handler = signal.getsignal(signum)
+        handler = _signal.getsignal(signum)
         if callable(handler) and handler is not signal.default_int_handler:
             return True
     return False
