@@ -20,6 +20,7 @@ BACKEND_ALIASES = {
     "postgres": "postgres",
     "redis": "redis",
     "redis_cache": "redis",
+    "redis_cluster": "rediscluster",
     "redlock": "redlock",
     "zookeeper": "zookeeper",
     "etcd": "etcd",

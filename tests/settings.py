@@ -70,6 +70,11 @@ if os.environ.get("DISTLOCK_TEST_REDIS_URL"):
     CELERY_BROKER_URL = REDIS_URL.rsplit("/", 1)[0] + "/1"
     CELERY_RESULT_BACKEND = REDIS_URL.rsplit("/", 1)[0] + "/2"
 
+if os.environ.get("DISTLOCK_TEST_REDIS_CLUSTER_URL"):
+    DISTLOCK["redis_cluster"] = {"BACKEND": "distlock.backends.redis.RedisBackend",
+                                 "OPTIONS": {"URL": os.environ["DISTLOCK_TEST_REDIS_CLUSTER_URL"], "CLUSTER": True,
+                                             "KEY_PREFIX": f"distlock-test-{RUN_ID}"}}
+
 if os.environ.get("DISTLOCK_TEST_REDLOCK_URLS"):
     DISTLOCK["redlock"] = {"BACKEND": "distlock.backends.redlock.RedlockBackend",
                            "OPTIONS": {"URLS": os.environ["DISTLOCK_TEST_REDLOCK_URLS"].split(",")}}

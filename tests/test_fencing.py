@@ -31,8 +31,9 @@ pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
 #: The databases fenced rows live on: SQLite and PostgreSQL.
 DATABASE_ALIASES = ["default", "postgres"]
-#: The lock aliases of the multi-process timelines: the database backend on each database, Redis, ZooKeeper, etcd.
-LOCK_ALIASES = ["default", "postgres", "redis", "zookeeper", "etcd"]
+#: The lock aliases of the multi-process timelines: the database backend on each database, Redis (one instance and
+#: a cluster), ZooKeeper, etcd.
+LOCK_ALIASES = ["default", "postgres", "redis", "redis_cluster", "zookeeper", "etcd"]
 #: (lock alias, database) pairs of the long 8-process run: ``make test`` runs the default-default one (the
 #: pause timelines cover every lock backend there), every lock backend once with DISTLOCK_FAULTS_LONG=1.
 SOAK_PAIRS = [("default", "default"), pytest.param("postgres", "postgres", marks=long_only),
@@ -46,8 +47,8 @@ SOAK_COUNT = 100 if LONG else 70
 
 #: (lock alias, database) pairs of the pause timelines in ``make test``: every lock backend once, both
 #: databases; the other pairs run with ``DISTLOCK_FAULTS_LONG=1`` (the suite's time budget).
-TIMELINE_PAIRS = [("default", "default"), ("postgres", "postgres"), ("redis", "default"), ("zookeeper", "postgres"),
-                  ("etcd", "default")]
+TIMELINE_PAIRS = [("default", "default"), ("postgres", "postgres"), ("redis", "default"), ("redis_cluster", "default"),
+                  ("zookeeper", "postgres"), ("etcd", "default")]
 ALL_PAIRS = [pytest.param(alias, db, marks=() if (alias, db) in TIMELINE_PAIRS else long_only)
              for alias in LOCK_ALIASES for db in DATABASE_ALIASES]
 #: The pause timelines' workers: ZooKeeper and etcd free a paused holder's lock when its session expires,

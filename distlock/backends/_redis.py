@@ -196,7 +196,7 @@ _REFUSALS = ("OOM", "MISCONF", "READONLY", "read only replica", "NOREPLICAS", "B
 _REFUSAL_CLASSES = {getattr(redis.exceptions, name): code for name, code in (
     ("OutOfMemoryError", "OOM"), ("ReadOnlyError", "READONLY"), ("BusyLoadingError", "LOADING"),
     ("NoPermissionError", "NOPERM"), ("MasterDownError", "MASTERDOWN"), ("TryAgainError", "TRYAGAIN"),
-    ("AuthenticationError", "NOAUTH")) if hasattr(redis.exceptions, name)}
+    ("AuthenticationError", "NOAUTH"), ("ClusterDownError", "CLUSTERDOWN")) if hasattr(redis.exceptions, name)}
 
 #: What redis-py reports when a plain connection meets a TLS-only port (the server drops it).
 _PLAIN_ON_TLS = ("reset by peer", "Connection closed by server")

@@ -33,6 +33,7 @@ two clocks differ by less than the failover takes (at least Sentinel's ``down-af
 (``WAIT``), which narrows that window but does not close it: Redis stays asynchronous.
 """
 
+import bisect
 import collections
 import inspect
 import logging
@@ -48,7 +49,7 @@ import redis.sentinel
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
-from distlock.backends import _redis
+from distlock.backends import _redis, _redis_cluster
 from distlock.backends.base import (
     NOTIFICATIONS, SAFE_FENCING_TOKENS, BaseLockBackend, Grant, LockPage, check_page, operation_words,
 )
@@ -317,6 +318,7 @@ class RedisBackend(BaseLockBackend):
                             expected="a list of (host, port) pairs, one per Redis Sentinel"),
         "SENTINEL_KWARGS": Option(dict, None, check=sentinel_kwargs_problem, shown=sentinel_kwargs_shown,
                                   expected="a dict of redis-py keyword arguments for the Sentinels"),
+        "CLUSTER": Option(bool, False),
         "REPLICAS_ACK": Option(int, None, check=positive_count, expected="a number of replicas"),
         "REPLICAS_ACK_TIMEOUT": Option((int, float), None, check=positive_number, expected="a number of seconds"),
     }
@@ -337,6 +339,9 @@ class RedisBackend(BaseLockBackend):
             )
         if options["SENTINELS"] is not None or options["SENTINEL_KWARGS"] is not None:
             cls._check_sentinel_combination(where, options)
+            return
+        if options["CLUSTER"]:
+            cls._check_cluster_combination(where, options)
             return
         if (options["URL"] is None) == (options["CACHE"] is None):
             raise ImproperlyConfigured(
@@ -380,6 +385,25 @@ class RedisBackend(BaseLockBackend):
         problem = sentinel_url_problem(url)
         if problem:
             raise ImproperlyConfigured(f"{where}['URL'] {problem}, got {redact(repr(url))}.")
+
+    @staticmethod
+    def _check_cluster_combination(where, options):
+        """Raise ``ImproperlyConfigured`` unless ``CLUSTER`` comes with a node's ``URL`` on db 0 and a prefix without braces."""
+        if options["URL"] is None:
+            raise ImproperlyConfigured(
+                f"{where}['CLUSTER'] needs 'URL' naming one node of the cluster (redis://host:port/0), from which "
+                "the backend learns the others" + (", not 'CACHE'." if options["CACHE"] is not None else "."))
+        if options["CACHE"] is not None:
+            raise ImproperlyConfigured(
+                f"{where}['CLUSTER'] cannot be combined with 'CACHE': give one node of the cluster as 'URL'.")
+        if options["URL"].startswith("unix://") or redis_server(options["URL"])[-1] != 0:
+            raise ImproperlyConfigured(
+                f"{where}['URL'] must name a cluster node over TCP on db 0 (a Redis Cluster has no other db): "
+                f"redis://host:port/0, got {redact(repr(options['URL']))}.")
+        if set("{}") & set(options["KEY_PREFIX"]):
+            raise ImproperlyConfigured(
+                f"{where}['KEY_PREFIX'] must not contain '{{' or '}}' with 'CLUSTER': Redis Cluster would read them "
+                f"as the hash tag that puts a lock's keys in one slot, got {options['KEY_PREFIX']!r}.")
 
     @classmethod
     def key_spaces(cls, alias, options):
@@ -436,8 +460,14 @@ class RedisBackend(BaseLockBackend):
         self._lock_prefix = f"{prefix}:lock:"
         self._connections = None
         self._connections_lock = threading.Lock()
+        self._cluster = self.settings["CLUSTER"]
         if self.settings["SENTINELS"] is not None:
             self.label = f"Redis Sentinel service {sentinel_service(self.settings['URL'])[1]!r}"
+        if self._cluster:
+            self.label = "Redis Cluster"
+            #: One token counter per hash tag (``_redis_cluster``): tokens grow per lock name, not alias-wide.
+            self.tokens_grow_alias_wide = False
+            self._watch_tokens = False
         self._replicas_ack = self.settings["REPLICAS_ACK"]
         self._ack_timeout = self.settings["REPLICAS_ACK_TIMEOUT"] or self.default_replicas_ack_timeout
 
@@ -454,6 +484,8 @@ class RedisBackend(BaseLockBackend):
                 if self._connections is None:
                     if self.settings["SENTINELS"] is not None:
                         self._connections = self._sentinel_connections()
+                    elif self._cluster:
+                        self._connections = self._cluster_connections()
                     else:
                         self._connections = _Connections(self._make_pool(), owned=self.settings["URL"] is not None)
         return self._connections
@@ -488,6 +520,24 @@ class RedisBackend(BaseLockBackend):
             socket_timeout=timeout, socket_connect_timeout=connect)
         pool = sentinel.master_for(service, **master_kwargs).connection_pool
         return _Connections(pool, owned=True, sentinels=sentinel.sentinels)
+
+    def _cluster_connections(self):
+        """Return connections to every master of the cluster the ``URL``'s node belongs to, made as each is first used.
+
+        Every node is reached with the URL's user, password and TLS parameters (as redis-py's
+        ``RedisCluster.from_url`` does), at the address the cluster gives for it.
+        """
+        timeout, connect = self._timeouts()
+        url = self.settings["URL"]
+        node_kwargs = redis.connection.parse_url(url)
+
+        def make_connections(host, port):
+            pool = redis.ConnectionPool(**{**node_kwargs, "host": host, "port": port}, socket_timeout=timeout,
+                                        socket_connect_timeout=connect)
+            return _Connections(pool, owned=True)
+
+        return _redis_cluster.ClusterConnections((node_kwargs["host"], node_kwargs.get("port", 6379)),
+                                                 make_connections, timeout)
 
     def _make_pool(self):
         if self.settings["URL"] is not None:
@@ -561,10 +611,18 @@ class RedisBackend(BaseLockBackend):
             f"{self._ack_timeout:g}s (REPLICAS_ACK_TIMEOUT){'; it was given back' if given_back else ''}"))
 
     def _keys(self, name):
-        """Return the lock, queue, alive and wake-prefix keys of lock ``name``."""
-        prefix = self._prefix
+        """Return the lock, queue, alive and wake-prefix keys of lock ``name``.
+
+        On a cluster each after the prefix and the name's hash tag, ``<prefix>:{xxxx}:lock:<name>``, so
+        that they all lie in one slot.
+        """
+        prefix = self._prefix if not self._cluster else f"{self._prefix}:{_redis_cluster.hash_tag(name)}"
         return (f"{prefix}:lock:{name}", f"{prefix}:queue:{name}", f"{prefix}:alive:{name}",
                 f"{prefix}:wake:{name}:")
+
+    def _token_key_of(self, name):
+        """Return the token counter lock ``name`` draws from: the alias's, or on a cluster its hash tag's."""
+        return self._token_key if not self._cluster else f"{self._prefix}:{_redis_cluster.hash_tag(name)}:token"
 
     # -- acquiring ---------------------------------------------------------------------------------
 
@@ -586,7 +644,7 @@ class RedisBackend(BaseLockBackend):
 
     def _try_acquire(self, attempt):
         lock, queue, alive, wake = self._keys(attempt.name)
-        keys = (lock, self._token_key, queue, alive, wake)
+        keys = (lock, self._token_key_of(attempt.name), queue, alive, wake)
         args = (attempt.owner, math.ceil(attempt.ttl * 1000), holder_record(), "1" if attempt.blocking else "0",
                 _WAITER_TTL_MS)
         operation = ("acquire lock", attempt.name)
@@ -661,21 +719,38 @@ class RedisBackend(BaseLockBackend):
         """
         if self._replicas_ack is not None:
             return super().extend_many(requests)
-        commands = []
-        for start in range(0, len(requests), EXTEND_MANY_CHUNK):
-            chunk = requests[start:start + EXTEND_MANY_CHUNK]
-            commands.append(EXTEND_MANY.command(
-                [self._lock_prefix + lease.name for lease, _ in chunk],
-                [arg for lease, ttl in chunk for arg in (lease.owner, math.ceil(ttl * 1000))]))
+        commands, chunks = [], []
+        for group in self._extend_groups(requests):
+            for start in range(0, len(group), EXTEND_MANY_CHUNK):
+                chunk = group[start:start + EXTEND_MANY_CHUNK]
+                chunks.append(chunk)
+                commands.append(EXTEND_MANY.command(
+                    [self._keys(requests[index][0].name)[0] for index in chunk],
+                    [arg for index in chunk for arg in (requests[index][0].owner,
+                                                        math.ceil(requests[index][1] * 1000))]))
         operation = f"extend {len(requests)} lock(s)"
         deadline = time.monotonic() + max(lease.remaining() for lease, _ in requests)
-        outcomes = []
+        outcomes = [False] * len(requests)
         with self.translate_errors(operation):
-            for reply in self._get_connections().exchange(commands, self._request_seconds(deadline)):
+            for chunk, reply in zip(chunks, self._get_connections().exchange(commands, self._request_seconds(deadline))):
                 if isinstance(reply, redis.ResponseError):
                     self._raise_error_reply(reply, operation)
-                outcomes.extend(extended == 1 for extended in reply)
+                for index, extended in zip(chunk, reply):
+                    outcomes[index] = extended == 1
         return outcomes
+
+    def _extend_groups(self, requests):
+        """Return the positions of ``requests`` that one EXTEND_MANY may take together: all, or on a cluster, per slot.
+
+        A script's keys must lie in one slot on a cluster (``CROSSSLOT``); the runs of one master
+        still go in one round trip (``ClusterConnections.exchange``).
+        """
+        if not self._cluster:
+            return [range(len(requests))]
+        by_slot = {}
+        for index, (lease, _) in enumerate(requests):
+            by_slot.setdefault(_redis_cluster.key_slot(self._keys(lease.name)[0].encode()), []).append(index)
+        return list(by_slot.values())
 
     # -- operating -----------------------------------------------------------------------------
 
@@ -686,8 +761,10 @@ class RedisBackend(BaseLockBackend):
         ``SCAN``'s, so pages come in ``SCAN`` order, each sorted by name.
         """
         check_page(limit, cursor)
-        pattern = _redis.glob_escape(self._lock_prefix + prefix) + "*"
         count = SCAN_COUNT if limit is None else min(SCAN_COUNT, max(limit, 10))
+        if self._cluster:
+            return self._held_locks_on_cluster(prefix, limit, cursor, count)
+        pattern = _redis.glob_escape(self._lock_prefix + prefix) + "*"
         found, scan_cursor = [], _scan_cursor(cursor)
         while True:
             scan_cursor, keys = self._execute(("SCAN", scan_cursor, "MATCH", pattern, "COUNT", count),
@@ -699,9 +776,49 @@ class RedisBackend(BaseLockBackend):
                 found.sort(key=lambda info: info.name)
                 return LockPage(found, str(scan_cursor) if scan_cursor else None)
 
+    def _held_locks_on_cluster(self, prefix, limit, cursor, count):
+        """``held_locks`` on a cluster: ``SCAN`` each master in turn, by the lowest slot it serves.
+
+        The cursor is ``<slot>:<SCAN cursor>``: the master serving that slot, and where its ``SCAN``
+        stands. A failover or a resharding while paging may show a lock twice or not at all, as a
+        ``SCAN`` of one node may while keys come and go.
+        """
+        if cursor:
+            problem = _redis_cluster.cursor_problem(cursor)
+            if problem:
+                raise ValueError(f"cursor {cursor!r} is no page's: {problem}")
+        slot, scan_cursor = _redis_cluster.parse_cursor(cursor)
+        # Any hash tag, then the lock part of the key: the tag has a fixed length, so a name is matched from its start.
+        pattern = (_redis.glob_escape(self._prefix) + ":{" + "?" * _redis_cluster.TAG_DIGITS + "}:lock:"
+                   + _redis.glob_escape(prefix) + "*")
+        operation = "list held locks"
+        found = []
+        with self.translate_errors(operation):
+            connections = self._get_connections()
+            masters = connections.masters(self._request_seconds())
+            lowest = [start for start, _ in masters]
+            index = max(bisect.bisect_right(lowest, slot) - 1, 0)
+            while True:
+                (reply,) = connections.on_node(masters[index][1], [("SCAN", scan_cursor, "MATCH", pattern, "COUNT",
+                                                                    count)], self._request_seconds())
+                if isinstance(reply, redis.ResponseError):
+                    self._raise_error_reply(reply, operation)
+                scan_cursor, keys = int(reply[0]), reply[1]
+                if keys:
+                    found.extend(self._describe(keys))
+                if scan_cursor == 0:
+                    index += 1
+                    if index == len(masters):
+                        found.sort(key=lambda info: info.name)
+                        return LockPage(found)
+                if limit is not None and len(found) >= limit:
+                    found.sort(key=lambda info: info.name)
+                    return LockPage(found, f"{masters[index][0]}:{scan_cursor}")
+
     def _describe(self, keys):
         """Return the ``LockInfo`` of the locks at ``keys`` that still exist: GET and PTTL in one round trip."""
-        strip = len(self._lock_prefix.encode())
+        strip = len(self._lock_prefix.encode()) if not self._cluster else len(
+            f"{self._prefix}:{{{'0' * _redis_cluster.TAG_DIGITS}}}:lock:".encode())
         with self.translate_errors("list held locks"):
             replies = self._get_connections().exchange(
                 [(command, key) for key in keys for command in ("GET", "PTTL")], self._request_seconds())
@@ -724,7 +841,15 @@ class RedisBackend(BaseLockBackend):
         return infos
 
     def ping(self):
-        self._execute(("PING",), operation="answer a ping", timeout=self._request_seconds())
+        if not self._cluster:
+            self._execute(("PING",), operation="answer a ping", timeout=self._request_seconds())
+            return
+        with self.translate_errors("answer a ping"):
+            connections = self._get_connections()
+            for _, address in connections.masters(self._request_seconds()):
+                (reply,) = connections.on_node(address, [("PING",)], self._request_seconds())
+                if isinstance(reply, redis.ResponseError):
+                    self._raise_error_reply(reply, "answer a ping")
 
     def close(self):
         with self._connections_lock:

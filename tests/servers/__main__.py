@@ -23,6 +23,7 @@ STARTERS = {
     "postgres": "tests.servers.postgres.start_postgres",
     "redis": "tests.servers.redis.start_redis",
     "redlock": "tests.servers.redis.start_redlock",
+    "rediscluster": "tests.servers.redis.start_redis_cluster",
     "zookeeper": "tests.servers.zookeeper.start_zookeeper",
     "etcd": "tests.servers.etcd.start_etcd",
 }

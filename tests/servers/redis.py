@@ -1,5 +1,5 @@
-"""Private redis-servers on their own loopback ports: one, optionally TLS-only and with ACL users, or a
-Sentinel deployment (a master, its replica and three Sentinels)."""
+"""Private redis-servers on their own loopback ports: one, optionally TLS-only and with ACL users, a
+Sentinel deployment (a master, its replica and three Sentinels), or a Redis Cluster of three masters."""
 
 import shutil
 import subprocess
@@ -418,3 +418,82 @@ class SentinelDeployment:
 
     def __exit__(self, *exc):
         self.cleanup()
+
+
+# -- Redis Cluster ---------------------------------------------------------------------------------------
+
+class ClusterNode(RedisServer):
+    """A master of a ``RedisClusterDeployment``: a ``RedisServer`` with ``cluster-enabled yes``.
+
+    Its cluster bus gets a free port of its own (``cluster-port``): the default, the client port plus
+    10000, may be taken, or beyond 65535.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.bus_port = free_port()
+
+    def command(self):
+        return [*super().command(), "--cluster-enabled", "yes", "--cluster-config-file",
+                str(self.workdir / "nodes.conf"), "--cluster-port", str(self.bus_port),
+                "--cluster-node-timeout", "2000"]
+
+    def client(self):
+        """Return a redis-py client on this node alone (no cluster routing), for the test's inspections."""
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=5)
+
+    def cluster_state(self):
+        """Return ``cluster_state`` of the node's ``CLUSTER INFO`` ("ok" once every slot is served), or None."""
+        try:
+            with self.client() as client:
+                info = client.execute_command("CLUSTER", "INFO")
+        except redis.RedisError:
+            return None
+        info = info.decode() if isinstance(info, bytes) else info
+        return dict(line.split(":", 1) for line in info.split() if ":" in line).get("cluster_state")
+
+
+class RedisClusterDeployment:
+    """Three masters on loopback ports of their own, the 16384 slots split among them by ``redis-cli --cluster create``.
+
+    No replicas: the contract suite needs keys on several masters, not failover.
+    """
+
+    def __init__(self, workdir, *, masters=3):
+        self.workdir = Path(workdir)
+        self.nodes = [ClusterNode(workdir=self.workdir / f"node-{i}", name=f"cluster-node-{i}") for i in range(masters)]
+
+    @property
+    def url(self):
+        """The alias's ``URL``: one node, from which the backend learns the others."""
+        return f"redis://127.0.0.1:{self.nodes[0].port}/0"
+
+    def start(self, timeout=60):
+        try:
+            for node in self.nodes:
+                node.start()
+            subprocess.run([shutil.which("redis-cli") or "/usr/bin/redis-cli", "--cluster", "create",
+                            *(f"127.0.0.1:{node.port}" for node in self.nodes), "--cluster-yes"],
+                           check=True, capture_output=True, timeout=timeout)
+            wait_until(lambda: all(node.cluster_state() == "ok" for node in self.nodes), timeout,
+                       "the Redis Cluster (cluster_state:ok on every node)")
+        except BaseException:
+            self.cleanup()
+            raise
+        return self
+
+    def cleanup(self):
+        for node in self.nodes:
+            node.cleanup()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.cleanup()
+
+
+def start_redis_cluster(tmp):
+    """The three-master Redis Cluster of the contract suite."""
+    deployment = RedisClusterDeployment(f"{tmp}/rediscluster").start()
+    return {"DISTLOCK_TEST_REDIS_CLUSTER_URL": deployment.url}, [deployment]
