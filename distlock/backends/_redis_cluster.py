@@ -107,7 +107,7 @@ class ClusterConnections:
         Raise the last node's failure if none answers. A map that leaves slots without a master is
         kept all the same: commands for those slots fail as ``CLUSTERDOWN`` would.
         """
-        known = [] if self._map is None else list(dict.fromkeys(self._map[1]))
+        known = [] if self._map is None else list(dict.fromkeys(node for _, _, node in self._map[1]))
         error = None
         for address in [*known, *([self.seed] if self.seed not in known else [])]:
             try:

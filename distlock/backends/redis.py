@@ -337,6 +337,10 @@ class RedisBackend(BaseLockBackend):
                 f"{where}['REPLICAS_ACK_TIMEOUT'] is read only with 'REPLICAS_ACK'; set how many replicas must "
                 "acknowledge each grant as 'REPLICAS_ACK', or leave REPLICAS_ACK_TIMEOUT out."
             )
+        if options["CLUSTER"] and (options["SENTINELS"] is not None or options["SENTINEL_KWARGS"] is not None):
+            raise ImproperlyConfigured(
+                f"{where}['CLUSTER'] cannot be combined with 'SENTINELS' or 'SENTINEL_KWARGS': a Redis Cluster fails "
+                "over by itself; leave the Sentinel options out, or CLUSTER for a Sentinel service.")
         if options["SENTINELS"] is not None or options["SENTINEL_KWARGS"] is not None:
             cls._check_sentinel_combination(where, options)
             return
