@@ -190,13 +190,14 @@ _READ_TAKES_TIMEOUT = "timeout" in inspect.signature(redis.connection.Connection
 #: Error replies meaning "this server cannot take locks now" (``BackendUnavailable``); any other error
 #: reply is a bug, or another program's key under the prefix.
 _REFUSALS = ("OOM", "MISCONF", "READONLY", "read only replica", "NOREPLICAS", "BUSY", "LOADING", "MASTERDOWN",
-             "CLUSTERDOWN", "TRYAGAIN", "NOPERM", "NOAUTH", "WRONGPASS")
+             "CLUSTERDOWN", "TRYAGAIN", "MOVED", "NOPERM", "NOAUTH", "WRONGPASS")
 #: The codes of those errors by redis-py's class: before redis-py 5 an error reply's code ("OOM",
 #: "READONLY", ...) went into the class and out of the message, and there is no ``status_code``.
 _REFUSAL_CLASSES = {getattr(redis.exceptions, name): code for name, code in (
     ("OutOfMemoryError", "OOM"), ("ReadOnlyError", "READONLY"), ("BusyLoadingError", "LOADING"),
     ("NoPermissionError", "NOPERM"), ("MasterDownError", "MASTERDOWN"), ("TryAgainError", "TRYAGAIN"),
-    ("AuthenticationError", "NOAUTH"), ("ClusterDownError", "CLUSTERDOWN")) if hasattr(redis.exceptions, name)}
+    ("AuthenticationError", "NOAUTH"), ("ClusterDownError", "CLUSTERDOWN"), ("MovedError", "MOVED"))
+    if hasattr(redis.exceptions, name)}
 
 #: What redis-py reports when a plain connection meets a TLS-only port (the server drops it).
 _PLAIN_ON_TLS = ("reset by peer", "Connection closed by server")

@@ -5,6 +5,12 @@ if every key it names lies in one slot (else ``CROSSSLOT``). So on a cluster eve
 carries one hash tag (``hash_tag``), and there is no alias-wide token counter: the acquire script
 reads and writes the counter of the lock's tag, in the lock's slot.
 
+The token rule: ``max(counter + 1, server time in µs)`` with the counter of the name's tag, so a
+name's tokens strictly increase (each grant of the name reads and raises its tag's counter), and
+survive a restart without persistence or a failover as the single instance's do (the clock). Tokens
+of names with different tags are not ordered: two masters, two clocks, two counters
+(``tokens_grow_alias_wide`` is False). The 65536 tags bound the counters a cluster keeps.
+
 ``ClusterConnections`` learns which master serves which slot (``CLUSTER SLOTS``, asked of any node
 it knows) and keeps one ``_Connections`` per master, so the wire (``_redis.exchange``), its bounds
 and its behaviour under interrupts are the single instance's. A ``MOVED`` reply (the slot changed
@@ -163,44 +169,48 @@ class ClusterConnections:
     def exchange(self, commands, timeout):
         """Return the replies to ``commands``, each sent to the master of its key's slot; one round trip per master.
 
-        Error replies come back in place of replies, as from ``_redis.exchange``; ``MOVED`` and ``ASK``
-        are followed once each.
+        Error replies come back in place of replies, as from ``_redis.exchange``. Commands answered
+        ``MOVED`` go once more after the slot map was read again (once for all of them); a second
+        ``MOVED`` is returned (the cluster is still moving: a refusal, ``_redis.refusal_code``). A
+        command answered ``ASK`` goes once to the node named, after ``ASKING``.
         """
         if self._stale:
             self._stale = False
             self.refresh(timeout)
-        by_node = {}
-        for index, command in enumerate(commands):
-            by_node.setdefault(self.master_for(self.slot_of(command), timeout), []).append(index)
         replies = [None] * len(commands)
-        for address, indexes in by_node.items():
-            for index, reply in zip(indexes, self.on_node(address, [commands[i] for i in indexes], timeout)):
-                replies[index] = reply
-        redirected = [index for index, reply in enumerate(replies) if _redirection(reply)]
-        for index in redirected:
-            replies[index] = self._follow(commands[index], replies[index], timeout)
+        self._send(commands, range(len(commands)), replies, timeout)
+        moved = [index for index, reply in enumerate(replies) if isinstance(reply, MovedError)]
+        if moved:
+            self.refresh(timeout)
+            self._send(commands, moved, replies, timeout)
+        for index, reply in enumerate(replies):
+            if isinstance(reply, AskError) and not isinstance(reply, MovedError):
+                _, replies[index] = self.on_node(reply.node_addr, [("ASKING",), commands[index]], timeout)
         return replies
 
+    def _send(self, commands, indexes, replies, timeout):
+        """Send the ``commands`` at ``indexes`` to the masters of their slots, one batch per master, into ``replies``."""
+        by_node = {}
+        for index in indexes:
+            by_node.setdefault(self.master_for(self.slot_of(commands[index]), timeout), []).append(index)
+        for address, batch in by_node.items():
+            for index, reply in zip(batch, self.on_node(address, [commands[i] for i in batch], timeout)):
+                replies[index] = reply
+
     def on_node(self, address, commands, timeout):
-        """Return the replies of the node at ``address`` to ``commands``; a failed node makes the next call re-read the slots."""
+        """Return the replies of the node at ``address`` to ``commands``.
+
+        A node that fails, or answers ``CLUSTERDOWN`` or ``MOVED``, makes the next call read the slot map again.
+        """
         try:
             replies = self.node(address).exchange(commands, timeout)
         except _redis.CLIENT_ERRORS:
             self._stale = True
             raise
-        if any(_redis.refusal_code(reply) == "CLUSTERDOWN" for reply in replies
+        if any(_redis.refusal_code(reply) in ("CLUSTERDOWN", "MOVED") for reply in replies
                if isinstance(reply, redis.ResponseError)):
             self._stale = True
         return replies
-
-    def _follow(self, command, reply, timeout):
-        """Return the reply to ``command`` from where the redirection ``reply`` points (``MOVED`` or ``ASK``)."""
-        if not isinstance(reply, MovedError):
-            _, answer = self.on_node(reply.node_addr, [("ASKING",), command], timeout)
-            return answer
-        self.refresh(timeout)
-        (answer,) = self.on_node(self.master_for(self.slot_of(command), timeout), [command], timeout)
-        return answer
 
     def exchange_acknowledged(self, command, timeout, wait, wait_seconds, written):
         """``_Connections.exchange_acknowledged`` on the master of ``command``'s slot, after one ``MOVED`` at most."""
@@ -221,7 +231,3 @@ class ClusterConnections:
         for connections in list(self._nodes.values()):
             connections.close()
 
-
-def _redirection(reply):
-    """True if ``reply`` is a ``MOVED`` or ``ASK`` error reply (redis-py's ``MovedError`` is an ``AskError``)."""
-    return isinstance(reply, AskError)

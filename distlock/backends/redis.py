@@ -1,4 +1,4 @@
-"""Locks on one Redis server, with fencing tokens that survive a restart without persistence and fair hand-off.
+"""Locks on one Redis server or a Redis Cluster: tokens that survive a restart without persistence, fair hand-off.
 
 Keys, under ``KEY_PREFIX`` (default ``distlock``), for a lock named ``N``:
 
@@ -19,9 +19,12 @@ Waiters refresh their entry on every attempt, at least every ``WAITER_REFRESH`` 
 that dies stops refreshing and its entry expires after ``WAITER_TTL``, so it delays the others by at
 most that long and never blocks them.
 
-Assumptions, said plainly: this is one Redis instance (not a cluster: the scripts build the wake key
-names themselves). A restart without persistence loses the locks (a second holder may get one at
-once: use ``FencedModel``) but never the token order, as long as the server clock does not step back.
+Assumptions, said plainly: this is one Redis instance, or with ``CLUSTER`` a Redis Cluster. There
+every key of lock ``N`` carries its hash tag, ``<prefix>:{xxxx}:lock:N`` and so on, wake keys included
+(the scripts build those from the wake-key prefix, in the same slot), and ``<prefix>:{xxxx}:token``
+replaces the alias-wide counter: tokens grow per name (``_redis_cluster``). A restart without
+persistence loses the locks (a second holder may get one at once: use ``FencedModel``) but never the
+token order, as long as the server clock does not step back.
 
 With ``SENTINELS`` the instance is whichever master Redis Sentinel names for the service, asked
 again on every new connection, so after a failover the locks are taken on the promoted replica.
@@ -287,6 +290,9 @@ class RedisBackend(BaseLockBackend):
     whose connection pool is reused; its socket timeouts then come from that cache), ``KEY_PREFIX``,
     ``REQUEST_TIMEOUT`` and ``SOCKET_CONNECT_TIMEOUT`` (seconds, with ``URL`` only).
 
+    Redis Cluster: ``URL`` names one node (``RedisCluster.from_url``'s form) and ``CLUSTER`` is True;
+    tokens then grow per lock name, not alias-wide.
+
     Redis Sentinel, in django-redis's words: ``URL`` names the service, ``redis://<service_name>/<db>``
     (its password is the masters'), ``SENTINELS`` lists the Sentinels as ``(host, port)`` pairs and
     ``SENTINEL_KWARGS`` holds redis-py's keyword arguments for them (their password, TLS, timeouts).
@@ -392,7 +398,7 @@ class RedisBackend(BaseLockBackend):
 
     @staticmethod
     def _check_cluster_combination(where, options):
-        """Raise ``ImproperlyConfigured`` unless ``CLUSTER`` comes with a node's ``URL`` on db 0 and a prefix without braces."""
+        """Raise ``ImproperlyConfigured`` unless ``CLUSTER`` has a node's ``URL`` on db 0 and a brace-free prefix."""
         if options["URL"] is None:
             raise ImproperlyConfigured(
                 f"{where}['CLUSTER'] needs 'URL' naming one node of the cluster (redis://host:port/0), from which "
@@ -736,7 +742,8 @@ class RedisBackend(BaseLockBackend):
         deadline = time.monotonic() + max(lease.remaining() for lease, _ in requests)
         outcomes = [False] * len(requests)
         with self.translate_errors(operation):
-            for chunk, reply in zip(chunks, self._get_connections().exchange(commands, self._request_seconds(deadline))):
+            replies = self._get_connections().exchange(commands, self._request_seconds(deadline))
+            for chunk, reply in zip(chunks, replies):
                 if isinstance(reply, redis.ResponseError):
                     self._raise_error_reply(reply, operation)
                 for index, extended in zip(chunk, reply):

@@ -28,6 +28,7 @@ class FencedModel(models.Model):
     An update is one ``UPDATE … WHERE pk = … AND fencing_token <= t``: a row that has accepted a
     higher token is left alone and ``StaleFencingToken`` is raised (see ``distlock.fencing``).
     Tokens of different ``DISTLOCK`` aliases are not comparable: guard a table with one alias only.
+    On a Redis Cluster alias tokens grow per lock name only: guard each row with one lock name.
     ``QuerySet.update()``, ``bulk_update()`` and ``delete()`` are not fenced; use ``fenced_update()``.
     """
 

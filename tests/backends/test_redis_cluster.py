@@ -19,6 +19,7 @@ from distlock.checks import E004, check_distlock_setting
 from distlock.handler import locks
 from tests.conftest import require_alias
 from tests.servers import wait_until
+from tests.servers.redis import RedisClusterDeployment
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default"])
 
@@ -67,7 +68,8 @@ def test_names_in_different_slots_on_different_masters_both_work(alias, lock_nam
     with distlock.lock(first, ttl=10, using=alias) as a, distlock.lock(second, ttl=10, using=alias) as b:
         for name, lease in ((first, a), (second, b)):
             key = f"{prefix}:{_redis_cluster.hash_tag(name)}:lock:{name}"
-            assert master_of(name, nodes).get(key).decode().startswith(lease.owner + "\n"), "the key on its slot's master"
+            value = master_of(name, nodes).get(key)
+            assert value.decode().startswith(lease.owner + "\n"), "the lock's key on its slot's master"
             with pytest.raises(distlock.LockNotAcquired):
                 distlock.acquire(name, blocking=False, using=alias)
         assert a.extend(20) and b.extend(20)
@@ -178,7 +180,8 @@ def checked(settings, **aliases):
 @pytest.mark.parametrize(("options", "words"), [
     ({"CLUSTER": True}, "needs 'URL' naming one node"),
     ({"CLUSTER": True, "CACHE": "default"}, "needs 'URL' naming one node"),
-    ({"CLUSTER": True, "URL": f"redis://:{SECRET}@127.0.0.1:7000/0", "CACHE": "default"}, "cannot be combined with 'CACHE'"),
+    ({"CLUSTER": True, "URL": f"redis://:{SECRET}@127.0.0.1:7000/0", "CACHE": "default"},
+     "cannot be combined with 'CACHE'"),
     ({"CLUSTER": True, "URL": f"redis://:{SECRET}@127.0.0.1:7000/1"}, "on db 0"),
     ({"CLUSTER": True, "URL": "unix:///tmp/redis.sock"}, "over TCP"),
     ({"CLUSTER": True, "URL": "redis://127.0.0.1:7000/0", "KEY_PREFIX": "locks{a}"}, "must not contain '{'"),
@@ -207,3 +210,42 @@ def test_every_key_of_a_lock_lies_in_one_slot_whatever_its_name(name):
     keys = [f"p:{tag}:{kind}:{name}" for kind in ("lock", "queue", "alive")] + [f"p:{tag}:wake:{name}:owner",
                                                                                 f"p:{tag}:token"]
     assert len({key_slot(key.encode()) for key in keys}) == 1
+
+
+# -- a master fails over to its replica ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory):
+    """A cluster of its own: three masters, each with a replica that replaces it 2 s after it stops answering."""
+    with RedisClusterDeployment(tmp_path_factory.mktemp("cluster"), replicas=1) as deployment:
+        yield deployment
+
+
+@pytest.mark.slow
+def test_a_master_fails_over_to_its_replica_and_the_names_token_does_not_go_back(replicated, settings, lock_name):
+    settings.DISTLOCK = {**settings.DISTLOCK, "failover": {"BACKEND": BACKEND, "OPTIONS": {
+        "URL": f"redis://127.0.0.1:{replicated.nodes[0].port}/0", "CLUSTER": True, "REQUEST_TIMEOUT": 1}}}
+    masters = [node for node in replicated.nodes if replicated.role(node) == "master"]
+    with masters[0].client() as client:
+        ranges = [(start, end, int(node[1])) for start, end, node, *_ in client.execute_command("CLUSTER SLOTS")]
+    index = 0
+    while True:  # a name on the master that will fail
+        name, index = f"{lock_name}:{index}", index + 1
+        slot = key_slot(_redis_cluster.hash_tag(name).encode())
+        port = next(port for start, end, port in ranges if start <= slot <= end)
+        if port == masters[0].port:
+            break
+    before = distlock.acquire(name, ttl=1, using="failover")
+    replica = replicated.replica_of(masters[0])
+    with masters[0].client() as client:
+        written = client.info("replication")["master_repl_offset"]
+    wait_until(lambda: replica.client().info("replication").get("slave_repl_offset", 0) >= written, 10,
+               "the replica receiving the grant")
+
+    replicated.fail_over(masters[0])
+    with pytest.raises(distlock.BackendUnavailable, match=r"^Lock alias 'failover' \(Redis Cluster\)"):
+        distlock.acquire(name, ttl=10, blocking=False, using="failover")  # the old master: nothing waits
+    after = distlock.acquire(name, ttl=10, timeout=10, using="failover")  # the promoted replica, once `before` expired
+    assert after.token > before.token
+    assert before.release() is False
+    assert after.release() is True

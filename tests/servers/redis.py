@@ -456,12 +456,15 @@ class ClusterNode(RedisServer):
 class RedisClusterDeployment:
     """Three masters on loopback ports of their own, the 16384 slots split among them by ``redis-cli --cluster create``.
 
-    No replicas: the contract suite needs keys on several masters, not failover.
+    ``replicas``: replicas per master (0 for the contract suite, which needs keys on several masters, not
+    failover); a master that does not answer for ``cluster-node-timeout`` (2 s) is replaced by its replica.
     """
 
-    def __init__(self, workdir, *, masters=3):
+    def __init__(self, workdir, *, masters=3, replicas=0):
         self.workdir = Path(workdir)
-        self.nodes = [ClusterNode(workdir=self.workdir / f"node-{i}", name=f"cluster-node-{i}") for i in range(masters)]
+        self.replicas = replicas
+        self.nodes = [ClusterNode(workdir=self.workdir / f"node-{i}", name=f"cluster-node-{i}")
+                      for i in range(masters * (1 + replicas))]
 
     @property
     def url(self):
@@ -473,14 +476,40 @@ class RedisClusterDeployment:
             for node in self.nodes:
                 node.start()
             subprocess.run([shutil.which("redis-cli") or "/usr/bin/redis-cli", "--cluster", "create",
-                            *(f"127.0.0.1:{node.port}" for node in self.nodes), "--cluster-yes"],
+                            *(f"127.0.0.1:{node.port}" for node in self.nodes), "--cluster-replicas",
+                            str(self.replicas), "--cluster-yes"],
                            check=True, capture_output=True, timeout=timeout)
-            wait_until(lambda: all(node.cluster_state() == "ok" for node in self.nodes), timeout,
-                       "the Redis Cluster (cluster_state:ok on every node)")
+            self.wait_ok(timeout)
         except BaseException:
             self.cleanup()
             raise
         return self
+
+    def wait_ok(self, timeout=30):
+        """Wait until every running node says ``cluster_state:ok``: every slot has a master that answers."""
+        wait_until(lambda: all(node.cluster_state() == "ok" for node in self.nodes if node.running), timeout,
+                   "the Redis Cluster (cluster_state:ok on every node)")
+
+    def role(self, node):
+        """Return "master" or "slave", as the node's ``ROLE`` says."""
+        with node.client() as client:
+            role = client.execute_command("ROLE")[0]
+        return role.decode() if isinstance(role, bytes) else role
+
+    def replica_of(self, master):
+        """Return the node that replicates ``master``."""
+        with master.client() as client:
+            replicas = client.info("replication")
+        port = int(replicas["slave0"]["port"])
+        return next(node for node in self.nodes if node.port == port)
+
+    def fail_over(self, master, timeout=30):
+        """Kill ``master`` (SIGKILL) and return its replica once it is a master and the cluster serves every slot."""
+        replica = self.replica_of(master)
+        master.kill()
+        wait_until(lambda: self.role(replica) == "master", timeout, "the replica's promotion")
+        self.wait_ok(timeout)
+        return replica
 
     def cleanup(self):
         for node in self.nodes:
