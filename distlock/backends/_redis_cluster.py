@@ -189,7 +189,7 @@ class ClusterConnections:
         return replies
 
     def _send(self, commands, indexes, replies, timeout):
-        """Send the ``commands`` at ``indexes`` to the masters of their slots, one batch per master, into ``replies``."""
+        """Send the ``commands`` at ``indexes`` to their slots' masters, one batch per master, into ``replies``."""
         by_node = {}
         for index in indexes:
             by_node.setdefault(self.master_for(self.slot_of(commands[index]), timeout), []).append(index)
