@@ -30,6 +30,7 @@ __all__ = [
     "glob_escape",
     "pack",
     "refusal_code",
+    "with_source",
 ]
 
 #: What redis-py raises for a server that is down, slow, or answers a command with an error.
@@ -140,14 +141,16 @@ def exchange(connection, commands, timeout, packed=None, *, once=False):
         return replies  # the usual case, decided in C
     forgotten = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
     sources = []
-    _send_and_read(connection, [_with_source(commands[index]) for index in forgotten], timeout, sources)
+    _send_and_read(connection, [with_source(commands[index]) for index in forgotten], timeout, sources)
     for index, reply in zip(forgotten, sources):
         replies[index] = reply
     return replies
 
 
-def _with_source(command):
-    """Return the ``EVAL`` of the script that the ``EVALSHA`` ``command`` runs."""
+def with_source(command):
+    """Return the ``EVAL`` of the script that the ``EVALSHA`` ``command`` runs (any other command as it is)."""
+    if command[0] != "EVALSHA":
+        return command
     return ("EVAL", Script.by_sha[command[1]].source, *command[2:])
 
 
@@ -188,16 +191,17 @@ _READ_TAKES_TIMEOUT = "timeout" in inspect.signature(redis.connection.Connection
 # -- errors ------------------------------------------------------------------------------------------
 
 #: Error replies meaning "this server cannot take locks now" (``BackendUnavailable``); any other error
-#: reply is a bug, or another program's key under the prefix.
+#: reply is a bug, or another program's key under the prefix. A cluster's ``MOVED`` and ``ASK`` are
+#: followed once (``_redis_cluster``); one that comes back again means the slot is still moving.
 _REFUSALS = ("OOM", "MISCONF", "READONLY", "read only replica", "NOREPLICAS", "BUSY", "LOADING", "MASTERDOWN",
-             "CLUSTERDOWN", "TRYAGAIN", "MOVED", "NOPERM", "NOAUTH", "WRONGPASS")
+             "CLUSTERDOWN", "TRYAGAIN", "MOVED", "ASK", "NOPERM", "NOAUTH", "WRONGPASS")
 #: The codes of those errors by redis-py's class: before redis-py 5 an error reply's code ("OOM",
 #: "READONLY", ...) went into the class and out of the message, and there is no ``status_code``.
 _REFUSAL_CLASSES = {getattr(redis.exceptions, name): code for name, code in (
     ("OutOfMemoryError", "OOM"), ("ReadOnlyError", "READONLY"), ("BusyLoadingError", "LOADING"),
     ("NoPermissionError", "NOPERM"), ("MasterDownError", "MASTERDOWN"), ("TryAgainError", "TRYAGAIN"),
-    ("AuthenticationError", "NOAUTH"), ("ClusterDownError", "CLUSTERDOWN"), ("MovedError", "MOVED"))
-    if hasattr(redis.exceptions, name)}
+    ("AuthenticationError", "NOAUTH"), ("ClusterDownError", "CLUSTERDOWN"), ("MovedError", "MOVED"),
+    ("AskError", "ASK")) if hasattr(redis.exceptions, name)}
 
 #: What redis-py reports when a plain connection meets a TLS-only port (the server drops it).
 _PLAIN_ON_TLS = ("reset by peer", "Connection closed by server")

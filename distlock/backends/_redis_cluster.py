@@ -185,7 +185,9 @@ class ClusterConnections:
             self._send(commands, moved, replies, timeout)
         for index, reply in enumerate(replies):
             if isinstance(reply, AskError) and not isinstance(reply, MovedError):
-                _, replies[index] = self.on_node(reply.node_addr, [("ASKING",), commands[index]], timeout)
+                # A script as source: after NOSCRIPT the exchange would send it again without ASKING.
+                _, replies[index] = self.on_node(
+                    reply.node_addr, [("ASKING",), _redis.with_source(commands[index])], timeout)
         return replies
 
     def _send(self, commands, indexes, replies, timeout):

@@ -249,3 +249,47 @@ def test_a_master_fails_over_to_its_replica_and_the_names_token_does_not_go_back
     assert after.token > before.token
     assert before.release() is False
     assert after.release() is True
+
+
+def test_a_lock_whose_slot_moves_to_another_master_is_extended_listed_and_released(alias, lock_name):
+    """A resharding moves the lock's slot while it is held: ASK while it migrates, MOVED once it has moved.
+
+    While the slot migrates, a script whose keys are split between the two masters is refused
+    (``TRYAGAIN``): an acquire fails closed.
+    """
+    nodes = masters()
+    source = master_of(lock_name, nodes)
+    target = next(client for _, _, client in nodes if client is not source)
+    target_port = target.connection_pool.connection_kwargs["port"]
+    slot = key_slot(_redis_cluster.hash_tag(lock_name).encode())
+    node_id = {client: client.execute_command("CLUSTER MYID") for _, _, client in nodes}
+    prefix = f"{locks[alias].settings['KEY_PREFIX']}:{_redis_cluster.hash_tag(lock_name)}"
+    lease = distlock.acquire(lock_name, ttl=10, using=alias)
+    target.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", node_id[source])
+    source.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", node_id[target])
+    moved = False
+    try:
+        source.execute_command("MIGRATE", "127.0.0.1", target_port, f"{prefix}:lock:{lock_name}", 0, 5000)
+        assert lease.extend(20), "the source answers ASK: the extension runs on the target"
+        with target.pipeline(transaction=False) as pipe:
+            _, pttl = pipe.execute_command("ASKING").pttl(f"{prefix}:lock:{lock_name}").execute()
+        assert 15000 < pttl <= 20000
+        assert [info.token for info in locks[alias].held_locks(lock_name)] == [lease.token]
+        with pytest.raises(distlock.BackendUnavailable, match="TRYAGAIN"):
+            distlock.acquire(lock_name, ttl=10, blocking=False, using=alias)
+
+        source.execute_command("MIGRATE", "127.0.0.1", target_port, f"{prefix}:token", 0, 5000)
+        for _, _, client in nodes:
+            client.execute_command("CLUSTER SETSLOT", slot, "NODE", node_id[target])
+        moved = True
+        assert lease.release() is True, "the source answers MOVED: the release runs on the target"
+        again = distlock.acquire(lock_name, ttl=10, blocking=False, using=alias)
+        assert again.token > lease.token, "the tag's counter moved with the slot"
+        assert target.exists(f"{prefix}:lock:{lock_name}") == 1
+        again.release()
+    finally:
+        if not moved:
+            for client in (source, target):
+                client.execute_command("CLUSTER SETSLOT", slot, "STABLE")
+        for _, _, client in nodes:
+            client.close()
