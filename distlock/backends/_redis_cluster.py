@@ -84,9 +84,10 @@ class ClusterConnections:
         self._make_connections = make_connections
         self.socket_timeout = socket_timeout
         self._nodes = {}  # (host, port) -> _Connections
-        #: (first slot of each range, sorted; the (host, port) serving each range), or None until read.
+        #: (the first slot of each range, sorted; each range as (first, last, (host, port) of its master)),
+        #: or None until read.
         self._map = None
-        #: True once a node failed or answered ``CLUSTERDOWN``: the next call reads the slot map first.
+        #: True once a node failed or answered ``CLUSTERDOWN`` or ``MOVED``: the next call reads the slot map first.
         self._stale = False
         self._lock = threading.Lock()
 
