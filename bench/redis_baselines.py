@@ -114,9 +114,13 @@ def python_redis_lock(url, ttl=30):
 
 
 def redis_aliases():
-    """Return the aliases of ``settings.DISTLOCK`` that use the Redis backend with a ``URL``."""
+    """Return the aliases of ``settings.DISTLOCK`` that use the Redis backend with a ``URL`` on one instance.
+
+    Not a Redis Cluster (``CLUSTER``): the floor's scripts name keys of several slots.
+    """
     return [alias for alias, entry in settings.DISTLOCK.items()
-            if entry.get("BACKEND") == "distlock.backends.redis.RedisBackend" and "URL" in entry.get("OPTIONS", {})]
+            if entry.get("BACKEND") == "distlock.backends.redis.RedisBackend" and "URL" in entry.get("OPTIONS", {})
+            and not entry["OPTIONS"].get("CLUSTER")]
 
 
 def paired_ratio(ours, theirs):
