@@ -1,4 +1,4 @@
-"""Tables of distlock: the database backend's locks and token counter, the rejection log and the metrics store.
+"""Tables of distlock: the database backend's locks, waiters and token counter, the rejection log and the metrics store.
 
 The abstract ``FencedModel`` lives in ``distlock.fencing``. This module imports nothing from the rest
 of distlock, so every other module may import it (see ``tests/test_architecture.py``).
@@ -9,7 +9,7 @@ import warnings
 from django.db import models
 from django.utils.translation import gettext_lazy as _
 
-__all__ = ["FencingRejection", "Lock", "MetricSample", "TokenSequence"]
+__all__ = ["FencingRejection", "Lock", "LockWaiter", "MetricSample", "TokenSequence"]
 
 #: Names that moved to ``distlock.fencing``; the old path keeps working, with a warning, for one release.
 _MOVED_TO_FENCING = frozenset({"FencedModel", "FencedQuerySet"})
@@ -38,6 +38,26 @@ class Lock(models.Model):
 
     def __str__(self):
         return self.name
+
+
+class LockWaiter(models.Model):
+    """A blocking acquire waiting for a database lock: its place in the lock's queue, first come first served.
+
+    The id is the ticket: a free lock goes to the waiter of that name with the lowest id whose row has
+    not expired. A waiter refreshes its row at every try; the row of a waiter that died expires within
+    ``distlock.backends._sql.WAITER_TTL`` and stops counting.
+    """
+
+    name = models.CharField(_("name"), max_length=255, db_index=True)
+    owner = models.CharField(_("owner"), max_length=64, unique=True)
+    expires_at = models.DateTimeField(_("expires at"))
+
+    class Meta:
+        verbose_name = _("lock waiter")
+        verbose_name_plural = _("lock waiters")
+
+    def __str__(self):
+        return f"{self.name} #{self.pk}"
 
 
 class TokenSequence(models.Model):

@@ -3,6 +3,18 @@
 A lock is one row of ``distlock_lock`` (``distlock.models.Lock``), unique by name. A row whose
 ``expires_at`` has passed by the database's own clock is free: no statement uses the client's clock.
 Every statement compares the random owner id, so nobody changes a lock it does not hold.
+
+Waiters queue (``distlock.models.LockWaiter``, one row per blocking acquire that found the lock taken):
+a free lock goes to the live waiter of its name with the lowest id, so a holder that releases and
+comes straight back queues behind the others. A waiter's row lives ``WAITER_TTL`` seconds past its
+last try; a dead waiter's row stops counting then. A caller that holds the lock already (its reply was
+lost and the call retried) is never made to wait behind the queue. On PostgreSQL, a release (and a
+waiter leaving the queue of a free lock) sends ``NOTIFY`` on ``NOTIFY_CHANNEL`` with the lock's name,
+inside its own statement, so only a committed release is announced; waiters listen for it
+(``distlock.backends._sql_listen``) and poll as before when a notification is lost. The queue orders
+grants only: mutual exclusion and token order rest on the lock row alone, as before. On PostgreSQL the
+acquire statement reads the queue from its snapshot, taken before the name guard was granted, so a
+waiter that queued in that instant may be passed over once.
 """
 
 import hashlib
@@ -19,40 +31,96 @@ from django.utils import timezone
 
 from distlock.backends.deadlines import DeadlineTimer
 
-__all__ = ["DIALECTS", "MIN_SQLITE_VERSION", "UNWATCHED", "close_quietly", "engine_vendor", "table_locked"]
+__all__ = ["DIALECTS", "MIN_SQLITE_VERSION", "NOTIFY_CHANNEL", "UNWATCHED", "WAITER_TTL", "close_quietly", "engine_vendor",
+           "table_locked"]
 
 # -- PostgreSQL ---------------------------------------------------------------------------------------
 
 # Acquire: one statement, so one transaction; RETURNING gives (token, acquired_at, expires_at) when
-# acquired, no row when the lock is held.
+# acquired, no row when the lock is held or another waiter's turn comes first.
 # - name_guard: a transaction-scoped advisory lock on (GUARD_NAMESPACE, hash of the name), released at
 #   commit, so it cannot strand behind PgBouncer. It makes acquisitions of one name draw their tokens
 #   one after the other: nextval() runs before the row is inserted, and without the guard another
 #   process could draw a higher token, acquire and release the same name in between, and this insert
 #   would then hold the lock with a lower token than its predecessor.
+# - turn: true unless a live waiter of the name queued before this call (or this call has no place
+#   yet); always true for a call whose own row holds the lock. Selected FROM name_guard, so the guard
+#   is taken whatever the queue holds.
 # - The token is nextval() of the alias-wide sequence (migration 0002): never reused, never rolled back.
 # - ON CONFLICT takes the row over only if it has expired, or if it is this very call's own row (its
 #   reply was lost with a broken connection and the call was retried).
+# - left_queue: a grant deletes the call's place and the expired places of the name (a dead waiter's).
+# - queued: a call that was not granted and may wait (``queue``) takes a place, or refreshes its own
+#   once less than half of WAITER_TTL is left of it (so most polls write nothing).
 PG_ACQUIRE = """
-WITH name_guard AS MATERIALIZED (SELECT pg_advisory_xact_lock(%(guard_namespace)s, %(guard_key)s))
-INSERT INTO distlock_lock AS held (name, owner, token, acquired_at, expires_at, host, pid, task_id)
-SELECT %(name)s, %(owner)s, nextval('distlock_token_seq'), clock_timestamp(),
-       clock_timestamp() + make_interval(secs => %(ttl)s), %(host)s, %(pid)s, %(task_id)s
-FROM name_guard
-ON CONFLICT (name) DO UPDATE
-SET owner = EXCLUDED.owner, token = EXCLUDED.token, acquired_at = EXCLUDED.acquired_at,
-    expires_at = EXCLUDED.expires_at, host = EXCLUDED.host, pid = EXCLUDED.pid, task_id = EXCLUDED.task_id
-WHERE held.expires_at <= clock_timestamp() OR held.owner = EXCLUDED.owner
-RETURNING token, acquired_at, expires_at
+WITH name_guard AS MATERIALIZED (SELECT pg_advisory_xact_lock(%(guard_namespace)s, %(guard_key)s)),
+turn AS MATERIALIZED (
+    SELECT NOT EXISTS (
+               SELECT 1 FROM distlock_lockwaiter AS ahead
+               WHERE ahead.name = %(name)s AND ahead.expires_at > clock_timestamp()
+                 AND ahead.id < coalesce((SELECT id FROM distlock_lockwaiter WHERE owner = %(owner)s),
+                                         9223372036854775807))
+           OR EXISTS (SELECT 1 FROM distlock_lock WHERE name = %(name)s AND owner = %(owner)s) AS ours
+    FROM name_guard
+),
+granted AS (
+    INSERT INTO distlock_lock AS held (name, owner, token, acquired_at, expires_at, host, pid, task_id)
+    SELECT %(name)s, %(owner)s, nextval('distlock_token_seq'), clock_timestamp(),
+           clock_timestamp() + make_interval(secs => %(ttl)s), %(host)s, %(pid)s, %(task_id)s
+    FROM turn WHERE turn.ours
+    ON CONFLICT (name) DO UPDATE
+    SET owner = EXCLUDED.owner, token = EXCLUDED.token, acquired_at = EXCLUDED.acquired_at,
+        expires_at = EXCLUDED.expires_at, host = EXCLUDED.host, pid = EXCLUDED.pid, task_id = EXCLUDED.task_id
+    WHERE held.expires_at <= clock_timestamp() OR held.owner = EXCLUDED.owner
+    RETURNING token, acquired_at, expires_at
+),
+left_queue AS (
+    DELETE FROM distlock_lockwaiter
+    WHERE name = %(name)s AND (owner = %(owner)s OR expires_at <= clock_timestamp()) AND EXISTS (SELECT 1 FROM granted)
+),
+queued AS (
+    INSERT INTO distlock_lockwaiter AS place (name, owner, expires_at)
+    SELECT %(name)s, %(owner)s, clock_timestamp() + make_interval(secs => %(waiter_ttl)s)
+    WHERE %(queue)s AND NOT EXISTS (SELECT 1 FROM granted)
+    ON CONFLICT (owner) DO UPDATE SET expires_at = EXCLUDED.expires_at
+    WHERE place.expires_at < clock_timestamp() + make_interval(secs => %(waiter_ttl)s / 2)
+)
+SELECT token, acquired_at, expires_at FROM granted
 """
 
 # Release (release_owned): compare-and-delete. Returns no row if the lock is not ours, else whether it
 # was still unexpired; an expired row of ours is deleted too, to leave no litter, but reported False,
-# since the lock had already lapsed.
+# since the lock had already lapsed. If a live waiter queues for the name, the deletion is announced
+# (NOTIFY, sent at commit, so never for a release that did not happen); without waiters nothing is
+# sent, and releases do not take the commit-time lock NOTIFY needs.
 PG_RELEASE = """
-DELETE FROM distlock_lock WHERE name = %(name)s AND owner = %(owner)s
-RETURNING expires_at > clock_timestamp()
+WITH released AS (
+    DELETE FROM distlock_lock WHERE name = %(name)s AND owner = %(owner)s
+    RETURNING expires_at > clock_timestamp() AS valid
+)
+SELECT valid, (SELECT pg_notify(%(channel)s, %(name)s)
+               WHERE EXISTS (SELECT 1 FROM distlock_lockwaiter
+                             WHERE name = %(name)s AND expires_at > clock_timestamp()))
+FROM released
 """
+
+# Leave the queue (a waiter whose timeout ran out): delete the place; if the lock is free and others
+# wait, announce it, since the next waiter may be the one to take it now.
+PG_LEAVE = """
+WITH left_queue AS (DELETE FROM distlock_lockwaiter WHERE owner = %(owner)s RETURNING name)
+SELECT pg_notify(%(channel)s, name) FROM left_queue
+WHERE NOT EXISTS (SELECT 1 FROM distlock_lock WHERE name = left_queue.name AND expires_at > clock_timestamp())
+  AND EXISTS (SELECT 1 FROM distlock_lockwaiter
+              WHERE name = left_queue.name AND owner <> %(owner)s AND expires_at > clock_timestamp())
+"""
+
+#: The channel of release notifications: one per database, as the lock table; the payload is the name.
+NOTIFY_CHANNEL = "distlock_lock"
+
+#: Seconds a waiter's place lives after its last try: longer than the longest pause between two
+#: tries (the back-off's 200 ms, plus a slow statement), short enough that a waiter that died (a
+#: SIGKILL, a lost machine) holds the lock up no longer than this.
+WAITER_TTL = 2.0
 
 # Extend: compare-and-extend; an expired lock stays lost even if nobody took it over.
 PG_EXTEND = """
@@ -86,18 +154,29 @@ GUARD_NAMESPACE = 0x646C6B00
 # so each acquisition is serialized against every other writer of every process; tokens therefore
 # strictly increase in the order locks are granted. Steps, in that one transaction:
 SQLITE_BEGIN = "BEGIN IMMEDIATE"
-# 1. The next alias-wide token: one more than the last, and never below the database clock in
-#    microseconds, so a TokenSequence row deleted (a test-suite flush, a restore) does not send
-#    tokens backwards.
+# 1. Whether the lock is this call's to take: free (or this call's own row) and no live waiter of the
+#    name queued before this call (a call without a place queues behind every live waiter).
+SQLITE_TURN = """
+SELECT (NOT EXISTS (SELECT 1 FROM distlock_lockwaiter AS ahead
+                    WHERE ahead.name = :name AND ahead.expires_at > strftime('%Y-%m-%d %H:%M:%f', 'now')
+                      AND ahead.id < coalesce((SELECT id FROM distlock_lockwaiter WHERE owner = :owner),
+                                              9223372036854775807))
+        OR EXISTS (SELECT 1 FROM distlock_lock WHERE name = :name AND owner = :owner))
+   AND NOT EXISTS (SELECT 1 FROM distlock_lock
+                   WHERE name = :name AND owner <> :owner AND expires_at > strftime('%Y-%m-%d %H:%M:%f', 'now'))
+"""
+# 2a. Its turn: the next alias-wide token: one more than the last, and never below the database clock
+#     in microseconds, so a TokenSequence row deleted (a test-suite flush, a restore) does not send
+#     tokens backwards.
 SQLITE_NEXT_TOKEN = """
 INSERT INTO distlock_tokensequence (id, value)
 VALUES (1, CAST((julianday('now') - 2440587.5) * 86400000000 AS INTEGER))
 ON CONFLICT (id) DO UPDATE SET value = max(value + 1, excluded.value)
 RETURNING value
 """
-# 2. The upsert, taking an expired row over (or this call's own row, as on PostgreSQL). Times are
-#    stored as 'YYYY-MM-DD HH:MM:SS.SSS' UTC text from SQLite's clock: one fixed format, so text
-#    comparison is time comparison, and Django reads it as a DateTimeField.
+# 2b. The upsert, taking an expired row over (or this call's own row, as on PostgreSQL). Times are
+#     stored as 'YYYY-MM-DD HH:MM:SS.SSS' UTC text from SQLite's clock: one fixed format, so text
+#     comparison is time comparison, and Django reads it as a DateTimeField.
 SQLITE_ACQUIRE = """
 INSERT INTO distlock_lock (name, owner, token, acquired_at, expires_at, host, pid, task_id)
 VALUES (:name, :owner, :token, strftime('%Y-%m-%d %H:%M:%f', 'now'),
@@ -108,7 +187,22 @@ SET owner = excluded.owner, token = excluded.token, acquired_at = excluded.acqui
 WHERE distlock_lock.expires_at <= excluded.acquired_at OR distlock_lock.owner = excluded.owner
 RETURNING token, acquired_at, expires_at
 """
-# 3. COMMIT if a row came back; otherwise ROLLBACK, which also gives the drawn token back.
+# 2c. The grant deletes the call's place and the expired places of the name (a dead waiter's).
+SQLITE_GRANTED = """
+DELETE FROM distlock_lockwaiter
+WHERE name = :name AND (owner = :owner OR expires_at <= strftime('%Y-%m-%d %H:%M:%f', 'now'))
+"""
+# 3. Not its turn: a call that may wait takes a place, or refreshes its own once less than half of
+#    WAITER_TTL is left of it; one that may not wait writes nothing.
+SQLITE_QUEUE = """
+INSERT INTO distlock_lockwaiter (name, owner, expires_at)
+VALUES (:name, :owner, strftime('%Y-%m-%d %H:%M:%f', 'now', '+' || :waiter_ttl || ' seconds'))
+ON CONFLICT (owner) DO UPDATE SET expires_at = excluded.expires_at
+WHERE distlock_lockwaiter.expires_at < strftime('%Y-%m-%d %H:%M:%f', 'now', '+' || (:waiter_ttl / 2.0) || ' seconds')
+"""
+# 4. COMMIT; ROLLBACK if nothing was written (a non-blocking try of a taken lock).
+
+SQLITE_LEAVE = "DELETE FROM distlock_lockwaiter WHERE owner = :owner"
 
 SQLITE_RELEASE = """
 DELETE FROM distlock_lock WHERE name = :name AND owner = :owner
@@ -224,11 +318,16 @@ class _Dialect:
         close_quietly(wrapper)
 
     def acquire(self, cursor, params):
+        """Return (token, acquired_at, expires_at) if granted; else None, the call queued if ``params["queue"]``."""
         raise NotImplementedError
 
     def release(self, cursor, params):
         cursor.execute(self.RELEASE, params)
         return cursor.fetchone()
+
+    def leave(self, cursor, params):
+        """Delete the place in the queue of the call whose owner is ``params["owner"]``."""
+        raise NotImplementedError
 
     def extend(self, cursor, params):
         cursor.execute(self.EXTEND, params)
@@ -264,7 +363,7 @@ class _PostgreSQL(_Dialect):
     """
 
     label = "PostgreSQL"
-    RELEASE, EXTEND, HELD = PG_RELEASE, PG_EXTEND, PG_HELD
+    EXTEND, HELD = PG_EXTEND, PG_HELD
 
     def __init__(self):
         self.timer = DeadlineTimer(_sever, name="distlock-db-watchdog", under_lock=True)
@@ -291,8 +390,17 @@ class _PostgreSQL(_Dialect):
 
     def acquire(self, cursor, params):
         key = int.from_bytes(hashlib.blake2b(params["name"].encode(), digest_size=4).digest(), "big", signed=True)
-        cursor.execute(PG_ACQUIRE, {**params, "guard_namespace": GUARD_NAMESPACE, "guard_key": key})
+        cursor.execute(PG_ACQUIRE, {**params, "guard_namespace": GUARD_NAMESPACE, "guard_key": key,
+                                    "waiter_ttl": WAITER_TTL})
         return cursor.fetchone()
+
+    def release(self, cursor, params):
+        cursor.execute(PG_RELEASE, {**params, "channel": NOTIFY_CHANNEL})
+        return cursor.fetchone()
+
+    def leave(self, cursor, params):
+        cursor.execute(PG_LEAVE, {**params, "channel": NOTIFY_CHANNEL})
+        cursor.fetchall()
 
     @staticmethod
     def aware(value):
@@ -352,17 +460,29 @@ class _SQLite(_Dialect):
         return extended
 
     def acquire(self, cursor, params):
+        params = {**params, "waiter_ttl": WAITER_TTL}
         try:
             cursor.execute(SQLITE_BEGIN)  # inside: an interrupt just after it must roll back too
-            cursor.execute(SQLITE_NEXT_TOKEN)
-            (token,) = cursor.fetchone()
-            cursor.execute(SQLITE_ACQUIRE, {**params, "token": token})
-            row = cursor.fetchone()
-            cursor.execute("COMMIT" if row is not None else "ROLLBACK")
+            cursor.execute(SQLITE_TURN, params)
+            (turn,) = cursor.fetchone()
+            row = None
+            if turn:
+                cursor.execute(SQLITE_NEXT_TOKEN)
+                (token,) = cursor.fetchone()
+                cursor.execute(SQLITE_ACQUIRE, {**params, "token": token})
+                row = cursor.fetchone()
+            if row is not None:
+                cursor.execute(SQLITE_GRANTED, params)
+            elif params["queue"]:
+                cursor.execute(SQLITE_QUEUE, params)
+            cursor.execute("COMMIT" if row is not None or params["queue"] else "ROLLBACK")
         except BaseException:
             cursor.connection.rollback()
             raise
         return row
+
+    def leave(self, cursor, params):
+        cursor.execute(SQLITE_LEAVE, params)
 
     @staticmethod
     def aware(value):

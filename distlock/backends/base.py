@@ -567,13 +567,19 @@ class BaseLockBackend:
     def _wait_for_release(self, attempt, remaining):
         """Block until the lock may be free again, at most ``remaining`` seconds (None: no limit).
 
-        The default is a jittered exponential back-off (10 ms doubling to 200 ms), for servers that
-        cannot notify; jitter keeps contenders from retrying in lock step.
+        The default is a jittered exponential back-off (``_back_off``), for servers that cannot notify.
+        """
+        time.sleep(self._back_off(attempt, remaining))
+
+    def _back_off(self, attempt, remaining):
+        """Return the seconds of the pause after a refused try: 10 ms doubling to 200 ms, within ``remaining``.
+
+        Times a random 0.5-1.0: jitter keeps contenders from retrying in lock step.
         """
         delay = min(0.2, 0.01 * (2 ** min(attempt.tries - 1, 5))) * random.uniform(0.5, 1.0)
         if remaining is not None:
             delay = min(delay, remaining)
-        time.sleep(max(delay, 0))
+        return max(delay, 0)
 
     def _hold(self, lease, attempt):
         """Register a granted, timely lease with the backend; return False if it cannot be held after all.

@@ -7,6 +7,12 @@ exclude nobody. The locks are lease rows, not advisory locks: session advisory l
 server session, which a transaction-pooling proxy such as PgBouncer hands to other clients between
 transactions, so they strand or vanish. The statements, each with why it is safe under concurrency,
 are in ``distlock.backends._sql``.
+
+Waiters queue in ``distlock_lockwaiter`` and a free lock goes to the one that queued first (see
+``distlock.backends._sql``). On PostgreSQL a release announces itself with ``NOTIFY``: a waiter
+listening for it (one ``LISTEN`` connection per alias and process, ``distlock.backends._sql_listen``,
+opened at the first wait, beside the pool's ``MAX_CONNECTIONS``) tries again at once; the back-off
+stays as the fallback, so a lost notification costs one pause, never a hang.
 """
 
 import logging
@@ -27,18 +33,21 @@ from django.db.utils import load_backend
 from distlock.backends._sql import (
     DIALECTS,
     MIN_SQLITE_VERSION,
+    NOTIFY_CHANNEL,
     UNWATCHED,
+    WAITER_TTL,
     close_quietly,
     engine_vendor,
     table_locked,
 )
+from distlock.backends._sql_listen import ReleaseListener
 from distlock.backends._sql_pool import ConnectionPool
 from distlock.backends.base import SAFE_FENCING_TOKENS, BaseLockBackend, Grant, check_page, cut_page
 from distlock.backends.deadlines import request_seconds
 from distlock.backends.green import green_library
 from distlock.backends.options import Option, positive_count, positive_number
 from distlock.conf import PRIVATE_MEMORY, SHARED_MEMORY, sqlite_memory
-from distlock.exceptions import BackendUnavailable, LockWouldDeadlock
+from distlock.exceptions import BackendUnavailable, LockNotAcquired, LockWouldDeadlock
 from distlock.holder import current_holder
 
 logger = logging.getLogger(__name__)
@@ -82,8 +91,9 @@ class DatabaseBackend(BaseLockBackend):
     """Locks in the ``distlock_lock`` table of one Django database, PostgreSQL or SQLite.
 
     Acquire is one atomic statement (PostgreSQL) or one ``BEGIN IMMEDIATE`` transaction (SQLite) that
-    also takes expired locks over and draws the next alias-wide fencing token. Waiters poll with a
-    short jittered back-off. A request that cannot finish within ``REQUEST_TIMEOUT`` (or the caller's
+    also takes expired locks over and draws the next alias-wide fencing token. Waiters queue, and a
+    free lock goes to the one that queued first; they look again after a short jittered back-off or,
+    on PostgreSQL, as soon as a release notification arrives. A request that cannot finish within ``REQUEST_TIMEOUT`` (or the caller's
     timeout) raises ``BackendUnavailable``. On SQLite, another writer keeping the database's write slot
     for a whole request made that request change nothing: a blocking acquire with time left counts the
     try as "not granted yet" and tries again, like for a held lock; once its timeout has run out, and for
@@ -122,6 +132,9 @@ class DatabaseBackend(BaseLockBackend):
         #: (name, keeper connection) of the lock rows' own in-memory database, if any (``_memory_database``).
         self._memory = None
         self._memory_lock = threading.Lock()
+        #: Release notifications (PostgreSQL): the process's one listening connection for this alias.
+        self._listener = (ReleaseListener(self._listening_connection, self._dialect.disconnect, NOTIFY_CHANNEL, alias)
+                          if self.vendor == "postgresql" else None)
         connection_created.connect(self._close_before_database_maintenance, weak=True)
 
     @property
@@ -193,11 +206,25 @@ class DatabaseBackend(BaseLockBackend):
                 keeper.inc_thread_sharing()
                 with keeper.schema_editor() as editor:
                     editor.create_model(apps.get_model("distlock", "Lock"))
+                    editor.create_model(apps.get_model("distlock", "LockWaiter"))
                     editor.create_model(apps.get_model("distlock", "TokenSequence"))
                 self._memory = (name, keeper)
             return self._memory[0]
 
+    def _listening_connection(self):
+        """Return a new connected wrapper for the release listener, connected within ``REQUEST_TIMEOUT``."""
+        wrapper = self._new_connection()
+        try:
+            self._dialect.connect(wrapper, self.settings["REQUEST_TIMEOUT"],
+                                  settings.DATABASES[self.database].get("OPTIONS", {}))
+        except BaseException:
+            self._dialect.disconnect(wrapper)
+            raise
+        return wrapper
+
     def close(self):
+        if self._listener is not None:
+            self._listener.stop()
         self._pool.close()
         self._dialect.close()
         with self._memory_lock:
@@ -209,10 +236,12 @@ class DatabaseBackend(BaseLockBackend):
         """Close the idle connections when Django connects to no database in particular (``NO_DB_ALIAS``).
 
         Django does so to create or drop a test database: idle connections of ours to it made the
-        DROP fail ("is being accessed by other users"), and ``manage.py test`` exit 1. The next lock
-        call reconnects.
+        DROP fail ("is being accessed by other users"), and ``manage.py test`` exit 1. The release
+        listener stops too. The next lock call reconnects (the next wait listens again).
         """
         if connection.alias == NO_DB_ALIAS and connection.vendor == self.vendor:
+            if self._listener is not None:
+                self._listener.stop()
             self._pool.close()
 
     # -- running the protocol ----------------------------------------------------------------------
@@ -326,7 +355,10 @@ class DatabaseBackend(BaseLockBackend):
         self._refuse_self_deadlock(attempt.name)
         holder = current_holder()
         params = {"name": attempt.name, "owner": attempt.owner, "ttl": attempt.ttl, "host": holder.host[:255],
-                  "pid": holder.pid, "task_id": holder.task_id[:255]}
+                  "pid": holder.pid, "task_id": holder.task_id[:255], "queue": attempt.blocking}
+        if self._listener is not None and attempt.blocking and attempt.tries:
+            # Noted before the try: a release that lands between the try and the wait wakes the wait.
+            attempt.notified_since = self._listener.since()
         try:
             row = self._run(self._dialect.acquire, params, operation=f"acquire lock {attempt.name!r}",
                             deadline=attempt.deadline)
@@ -342,6 +374,34 @@ class DatabaseBackend(BaseLockBackend):
             return None
         token, acquired_at, _expires_at = row
         return Grant(token=token, acquired_at=self._dialect.aware(acquired_at))
+
+    def _wait_for_release(self, attempt, remaining):
+        """Back off (``_back_off``); on PostgreSQL, stop as soon as a release of the lock is announced.
+
+        The listener starts at an attempt's first wait; a release between that attempt's first try
+        and the start is not heard, and costs this one pause.
+        """
+        pause = self._back_off(attempt, remaining)
+        if self._listener is None:
+            time.sleep(pause)
+            return
+        since = attempt.notified_since if attempt.notified_since is not None else self._listener.since()
+        if self._listener.wait(attempt.name, since, pause) == "release":
+            logger.debug("Lock %r (alias %r): a release notification woke the waiter.", attempt.name, self.alias)
+
+    def _give_up(self, attempt, reason):
+        """A waiter whose timeout ran out leaves the queue at once (else its place expires within ``WAITER_TTL``).
+
+        Only on a timeout: after any other exception (the database failed, the caller was interrupted)
+        one more request would stretch the caller's wait.
+        """
+        if not (isinstance(reason, LockNotAcquired) and attempt.blocking and attempt.tries):
+            return
+        try:
+            self._run(self._dialect.leave, {"owner": attempt.owner}, operation=f"leave the queue of lock {attempt.name!r}")
+        except BackendUnavailable as exc:
+            # The caller's answer is still "not acquired"; the place expires on its own.
+            logger.warning("%s Its place in the queue expires within %gs.", exc, WAITER_TTL)
 
     def _do_extend(self, lease, ttl):
         self._refuse_self_deadlock(lease.name)

@@ -571,8 +571,9 @@ def test_green_threads_each_get_a_connection_none_closed_under_another_and_the_c
     assert report["errors"] == 0, "\n".join(report["first_errors"])
     assert report["overlaps"] == 0
     assert report["operations"] == 1 + 50 * 20
-    # The backend's connections, the parent test's own and this process's Django connection.
-    assert report["most_connections"] <= report["max_connections"] + 2
+    # The backend's connections, its release listener (PostgreSQL), the parent test's own and this process's
+    # Django connection.
+    assert report["most_connections"] <= report["max_connections"] + 3
 
 
 @pytest.mark.filterwarnings("ignore:Overriding setting DATABASES")
