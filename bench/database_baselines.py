@@ -3,8 +3,9 @@
 - the protocol floor: distlock's own statements (``distlock.backends._sql``) on one DB-API connection
   (sqlite3 or psycopg, opened as Django opens the alias's connection, then used directly, in
   autocommit). PostgreSQL: acquire is the one ``INSERT … ON CONFLICT`` statement with its advisory
-  name guard and ``nextval()`` token; release the owner-checked ``DELETE``. SQLite: acquire is the
-  ``BEGIN IMMEDIATE`` transaction drawing the next token and upserting the row, then ``COMMIT``;
+  name guard, its look at the waiter queue and ``nextval()`` token; release the owner-checked ``DELETE``
+  (which would notify a waiter). SQLite: acquire is the ``BEGIN IMMEDIATE`` transaction looking at the
+  queue, drawing the next token, upserting the row and deleting the call's place, then ``COMMIT``;
   release the owner-checked ``DELETE``. Same table (``distlock_lock``), same token sequence, same
   columns, so the database does the same work per operation. Nothing else: no pool, no request
   bound, no holder lookup per call, no signals, no metrics.
@@ -30,12 +31,16 @@ from bench import run_standalone
 from bench.harness import Contender, ContenderSpec, print_uncontended, uncontended
 from distlock.backends._sql import (
     GUARD_NAMESPACE,
+    NOTIFY_CHANNEL,
     PG_ACQUIRE,
     PG_RELEASE,
     SQLITE_ACQUIRE,
     SQLITE_BEGIN,
+    SQLITE_GRANTED,
     SQLITE_NEXT_TOKEN,
     SQLITE_RELEASE,
+    SQLITE_TURN,
+    WAITER_TTL,
     engine_vendor,
 )
 from distlock.conf import sqlite_memory
@@ -68,7 +73,8 @@ def floor(database, ttl=30):
     connection = dbapi_connection(database)
     cursor = connection.cursor()
     # The holder columns distlock fills on every acquisition, computed once: their values cost nothing to write.
-    holder = {"host": socket.gethostname()[:255], "pid": os.getpid(), "task_id": "", "ttl": ttl}
+    holder = {"host": socket.gethostname()[:255], "pid": os.getpid(), "task_id": "", "ttl": ttl, "queue": False,
+              "waiter_ttl": WAITER_TTL, "channel": NOTIFY_CHANNEL}
 
     def acquire_postgresql(name, owner):
         # The name guard's key, as distlock's PostgreSQL dialect derives it (_sql._PostgreSQL.acquire).
@@ -80,10 +86,14 @@ def floor(database, ttl=30):
     def acquire_sqlite(name, owner):
         try:
             cursor.execute(SQLITE_BEGIN)
-            cursor.execute(SQLITE_NEXT_TOKEN)
-            (token,) = cursor.fetchone()
-            cursor.execute(SQLITE_ACQUIRE, {**holder, "name": name, "owner": owner, "token": token})
-            row = cursor.fetchone()
+            cursor.execute(SQLITE_TURN, {"name": name, "owner": owner})
+            row = None
+            if cursor.fetchone()[0]:
+                cursor.execute(SQLITE_NEXT_TOKEN)
+                (token,) = cursor.fetchone()
+                cursor.execute(SQLITE_ACQUIRE, {**holder, "name": name, "owner": owner, "token": token})
+                row = cursor.fetchone()
+                cursor.execute(SQLITE_GRANTED, {"name": name, "owner": owner})
             cursor.execute("COMMIT" if row is not None else "ROLLBACK")
         except BaseException:
             connection.rollback()
@@ -101,7 +111,7 @@ def floor(database, ttl=30):
 
     def release(handle):
         name, owner = handle
-        cursor.execute(release_statement, {"name": name, "owner": owner})
+        cursor.execute(release_statement, {"name": name, "owner": owner, "channel": NOTIFY_CHANNEL})
         cursor.fetchone()
 
     return Contender(acquire, release)

@@ -102,6 +102,27 @@ def test_check_names_the_missing_sequence_and_its_migration():
     call_command("distlock", "check", "--using", "postgres", stdout=StringIO())
 
 
+@pytest.mark.parametrize("alias", ["default", "postgres"])
+def test_check_names_the_missing_waiter_table_and_its_migration(alias, lock_name):
+    """With migrations up to 0003 only, the lock table is there but not the waiter queue every acquire reads."""
+    require_alias(alias)
+    database = locks[alias].database
+    out = StringIO()
+    migrate_distlock(database, "0003")
+    try:
+        with pytest.raises(CommandError, match=rf"1 backend\(s\) failed: {alias}"):
+            call_command("distlock", "check", "--using", alias, stdout=out)
+        with pytest.raises(distlock.BackendUnavailable, match=f"migrate distlock --database {database}"):
+            distlock.acquire(lock_name, ttl=30, using=alias)
+    finally:
+        migrate_distlock(database)
+    report = out.getvalue()
+    assert "table distlock_lockwaiter (migration distlock.0004_lockwaiter)" in report, report
+    assert "table distlock_lock " not in report, report
+    call_command("distlock", "check", "--using", alias, stdout=StringIO())
+    distlock.acquire(lock_name, ttl=30, using=alias).release()
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def fresh_database(request, tmp_path):
     """``(vendor, DATABASES entry)`` of an empty database, never migrated; dropped afterwards."""

@@ -9,8 +9,9 @@ a free lock goes to the live waiter of its name with the lowest id, so a holder 
 comes straight back queues behind the others. A waiter's row lives ``WAITER_TTL`` seconds past its
 last try; a dead waiter's row stops counting then. A caller that holds the lock already (its reply was
 lost and the call retried) is never made to wait behind the queue. On PostgreSQL, a release (and a
-waiter leaving the queue of a free lock) sends ``NOTIFY`` on ``NOTIFY_CHANNEL`` with the lock's name,
-inside its own statement, so only a committed release is announced; waiters listen for it
+waiter leaving the queue of a free lock) sends ``NOTIFY`` on ``NOTIFY_CHANNEL`` with the owner id of
+the waiter first in line, inside its own statement, so only a committed release is announced, and
+only to the waiter whose turn it is; waiters listen for it
 (``distlock.backends._sql_listen``) and poll as before when a notification is lost. The queue orders
 grants only: mutual exclusion and token order rest on the lock row alone, as before. On PostgreSQL the
 acquire statement reads the queue from its snapshot, taken before the name guard was granted, so a
@@ -90,31 +91,33 @@ SELECT token, acquired_at, expires_at FROM granted
 
 # Release (release_owned): compare-and-delete. Returns no row if the lock is not ours, else whether it
 # was still unexpired; an expired row of ours is deleted too, to leave no litter, but reported False,
-# since the lock had already lapsed. If a live waiter queues for the name, the deletion is announced
-# (NOTIFY, sent at commit, so never for a release that did not happen); without waiters nothing is
-# sent, and releases do not take the commit-time lock NOTIFY needs.
+# since the lock had already lapsed. If a live waiter queues for the name, the first in line is told
+# (NOTIFY with its owner, sent at commit, so never for a release that did not happen): only the waiter
+# whose turn it is wakes. Without waiters nothing is sent, and the release does not take the
+# commit-time lock NOTIFY needs.
 PG_RELEASE = """
 WITH released AS (
     DELETE FROM distlock_lock WHERE name = %(name)s AND owner = %(owner)s
     RETURNING expires_at > clock_timestamp() AS valid
 )
-SELECT valid, (SELECT pg_notify(%(channel)s, %(name)s)
-               WHERE EXISTS (SELECT 1 FROM distlock_lockwaiter
-                             WHERE name = %(name)s AND expires_at > clock_timestamp()))
+SELECT valid, (SELECT pg_notify(%(channel)s, owner) FROM distlock_lockwaiter
+               WHERE name = %(name)s AND expires_at > clock_timestamp() ORDER BY id LIMIT 1)
 FROM released
 """
 
-# Leave the queue (a waiter whose timeout ran out): delete the place; if the lock is free and others
-# wait, announce it, since the next waiter may be the one to take it now.
+# Leave the queue (a waiter whose timeout ran out): delete the place; if the lock is free, tell the
+# next waiter in line, whose turn it may be now.
 PG_LEAVE = """
 WITH left_queue AS (DELETE FROM distlock_lockwaiter WHERE owner = %(owner)s RETURNING name)
-SELECT pg_notify(%(channel)s, name) FROM left_queue
+SELECT (SELECT pg_notify(%(channel)s, next.owner) FROM distlock_lockwaiter AS next
+        WHERE next.name = left_queue.name AND next.owner <> %(owner)s AND next.expires_at > clock_timestamp()
+        ORDER BY next.id LIMIT 1)
+FROM left_queue
 WHERE NOT EXISTS (SELECT 1 FROM distlock_lock WHERE name = left_queue.name AND expires_at > clock_timestamp())
-  AND EXISTS (SELECT 1 FROM distlock_lockwaiter
-              WHERE name = left_queue.name AND owner <> %(owner)s AND expires_at > clock_timestamp())
 """
 
-#: The channel of release notifications: one per database, as the lock table; the payload is the name.
+#: The channel of release notifications: one per database, as the lock table; the payload is the owner id
+#: of the waiter whose turn it is.
 NOTIFY_CHANNEL = "distlock_lock"
 
 #: Seconds a waiter's place lives after its last try: longer than the longest pause between two
@@ -155,15 +158,20 @@ GUARD_NAMESPACE = 0x646C6B00
 # strictly increase in the order locks are granted. Steps, in that one transaction:
 SQLITE_BEGIN = "BEGIN IMMEDIATE"
 # 1. Whether the lock is this call's to take: free (or this call's own row) and no live waiter of the
-#    name queued before this call (a call without a place queues behind every live waiter).
+#    name queued before this call (a call without a place queues behind every live waiter); and how
+#    many live waiters queued before it, for the pause before its next try.
 SQLITE_TURN = """
-SELECT (NOT EXISTS (SELECT 1 FROM distlock_lockwaiter AS ahead
-                    WHERE ahead.name = :name AND ahead.expires_at > strftime('%Y-%m-%d %H:%M:%f', 'now')
-                      AND ahead.id < coalesce((SELECT id FROM distlock_lockwaiter WHERE owner = :owner),
-                                              9223372036854775807))
-        OR EXISTS (SELECT 1 FROM distlock_lock WHERE name = :name AND owner = :owner))
-   AND NOT EXISTS (SELECT 1 FROM distlock_lock
-                   WHERE name = :name AND owner <> :owner AND expires_at > strftime('%Y-%m-%d %H:%M:%f', 'now'))
+WITH me AS (
+    SELECT (SELECT count(*) FROM distlock_lockwaiter AS ahead
+            WHERE ahead.name = :name AND ahead.expires_at > strftime('%Y-%m-%d %H:%M:%f', 'now')
+              AND ahead.id < coalesce((SELECT id FROM distlock_lockwaiter WHERE owner = :owner),
+                                      9223372036854775807)) AS ahead,
+           EXISTS (SELECT 1 FROM distlock_lock WHERE name = :name AND owner = :owner) AS holding,
+           NOT EXISTS (SELECT 1 FROM distlock_lock
+                       WHERE name = :name AND owner <> :owner
+                         AND expires_at > strftime('%Y-%m-%d %H:%M:%f', 'now')) AS free
+)
+SELECT (ahead = 0 OR holding) AND free, ahead FROM me
 """
 # 2a. Its turn: the next alias-wide token: one more than the last, and never below the database clock
 #     in microseconds, so a TokenSequence row deleted (a test-suite flush, a restore) does not send
@@ -318,7 +326,8 @@ class _Dialect:
         close_quietly(wrapper)
 
     def acquire(self, cursor, params):
-        """Return (token, acquired_at, expires_at) if granted; else None, the call queued if ``params["queue"]``."""
+        """Return ``(row, ahead)``: row (token, acquired_at, expires_at) if granted, else None, the call queued
+        if ``params["queue"]``; ``ahead`` the live waiters queued before the call, or None if not counted."""
         raise NotImplementedError
 
     def release(self, cursor, params):
@@ -392,7 +401,7 @@ class _PostgreSQL(_Dialect):
         key = int.from_bytes(hashlib.blake2b(params["name"].encode(), digest_size=4).digest(), "big", signed=True)
         cursor.execute(PG_ACQUIRE, {**params, "guard_namespace": GUARD_NAMESPACE, "guard_key": key,
                                     "waiter_ttl": WAITER_TTL})
-        return cursor.fetchone()
+        return cursor.fetchone(), None  # waiters are woken by NOTIFY
 
     def release(self, cursor, params):
         cursor.execute(PG_RELEASE, {**params, "channel": NOTIFY_CHANNEL})
@@ -464,7 +473,7 @@ class _SQLite(_Dialect):
         try:
             cursor.execute(SQLITE_BEGIN)  # inside: an interrupt just after it must roll back too
             cursor.execute(SQLITE_TURN, params)
-            (turn,) = cursor.fetchone()
+            turn, ahead = cursor.fetchone()
             row = None
             if turn:
                 cursor.execute(SQLITE_NEXT_TOKEN)
@@ -479,7 +488,7 @@ class _SQLite(_Dialect):
         except BaseException:
             cursor.connection.rollback()
             raise
-        return row
+        return row, ahead
 
     def leave(self, cursor, params):
         cursor.execute(SQLITE_LEAVE, params)

@@ -1,9 +1,9 @@
 """Release notifications of the database backend on PostgreSQL: one ``LISTEN`` connection per alias and process.
 
-A release with waiters sends ``NOTIFY`` with the lock's name (``distlock.backends._sql``). One
-background loop per backend (a daemon thread, or a greenlet under gevent: ``Daemon``) holds a
-connection of its own, outside the pool of ``MAX_CONNECTIONS``, listening on ``NOTIFY_CHANNEL``, and
-wakes every waiter of this process waiting for that name. It starts at the first wait, so processes
+A release with waiters sends ``NOTIFY`` with the owner id of the waiter first in line
+(``distlock.backends._sql``). One background loop per backend (a daemon thread, or a greenlet under
+gevent: ``Daemon``) holds a connection of its own, outside the pool of ``MAX_CONNECTIONS``, listening
+on ``NOTIFY_CHANNEL``, and wakes the waiter of this process with that owner id, if it is here. It starts at the first wait, so processes
 that never wait open no such connection. Notifications only hurry waiters on: a waiter whose
 notification is lost (the connection dropped, the loop not listening yet) tries again after its
 back-off, as without them.
@@ -32,14 +32,14 @@ RECONNECT_PAUSES = (0.1, 2.0)
 
 
 class ReleaseListener:
-    """Wake this process's waiters when the database announces the release of the lock they wait for.
+    """Wake a waiter of this process when the database announces that its turn came (a release).
 
     A waiter notes ``since()`` before its try and, after a refused try, ``wait``s for an announcement
-    numbered above it: a release landing between the try and the wait is not missed. Each time the
+    for its owner id numbered above it: a release landing between the try and the wait is not missed. Each time the
     loop starts listening (again), every waiter is woken, since releases may have gone unheard before.
     """
 
-    #: Names whose latest release is remembered; older ones fall back to polling.
+    #: Owners whose latest announcement is remembered; older ones fall back to polling.
     remembered = 1024
 
     def __init__(self, connect, disconnect, channel, alias):
@@ -57,7 +57,7 @@ class ReleaseListener:
             daemon.end_in_child()
         self._counting = threading.Lock()  # the loop's only: waiters never take it (see distlock.waiting)
         self._start_lock = threading.Lock()
-        self._released = OrderedDict()  # lock name -> number of its latest announcement
+        self._turns = OrderedDict()  # owner id -> number of its latest announcement
         #: Announcements so far (releases heard, and the starts of listening).
         self.sequence = 0
         self._listening_since = None  # the number of the latest start of listening; None while not listening
@@ -81,13 +81,13 @@ class ReleaseListener:
                     self._daemon, self._stopping = daemon, stopping
         return self.sequence
 
-    def wait(self, name, since, timeout):
-        """Block until a release of ``name`` (or a start of listening) numbered above ``since``, at most ``timeout``.
+    def wait(self, owner, since, timeout):
+        """Block until a turn of ``owner`` (or a start of listening) numbered above ``since``, at most ``timeout``.
 
         Return "release" or "listening", whichever woke the waiter, or None after ``timeout``.
         """
         def woken():
-            if self._released.get(name, 0) > since:
+            if self._turns.get(owner, 0) > since:
                 return "release"
             if (self._listening_since or 0) > since:
                 return "listening"
@@ -95,17 +95,17 @@ class ReleaseListener:
 
         return self._wakeups.wait_for(woken, timeout)
 
-    def _announce(self, name=None):
-        """Number the release of ``name`` (None: a start of listening) and wake the waiters."""
+    def _announce(self, owner=None):
+        """Number the turn of ``owner`` (None: a start of listening) and wake the waiters."""
         with self._counting:
             self.sequence += 1
-            if name is None:
+            if owner is None:
                 self._listening_since = self.sequence
             else:
-                self._released[name] = self.sequence
-                self._released.move_to_end(name)
-                if len(self._released) > self.remembered:
-                    self._released.popitem(last=False)
+                self._turns[owner] = self.sequence
+                self._turns.move_to_end(owner)
+                if len(self._turns) > self.remembered:
+                    self._turns.popitem(last=False)
         self._wakeups.notify_all()
 
     def _listen(self, stopping):

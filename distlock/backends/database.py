@@ -9,13 +9,14 @@ transactions, so they strand or vanish. The statements, each with why it is safe
 are in ``distlock.backends._sql``.
 
 Waiters queue in ``distlock_lockwaiter`` and a free lock goes to the one that queued first (see
-``distlock.backends._sql``). On PostgreSQL a release announces itself with ``NOTIFY``: a waiter
+``distlock.backends._sql``). On PostgreSQL a release tells the waiter first in line with ``NOTIFY``;
 listening for it (one ``LISTEN`` connection per alias and process, ``distlock.backends._sql_listen``,
-opened at the first wait, beside the pool's ``MAX_CONNECTIONS``) tries again at once; the back-off
-stays as the fallback, so a lost notification costs one pause, never a hang.
+opened at the first wait, beside the pool's ``MAX_CONNECTIONS``), that waiter tries again at once. The
+back-off stays as the fallback, so a lost notification costs one pause, never a hang.
 """
 
 import logging
+import random
 import sqlite3
 import threading
 import time
@@ -63,6 +64,12 @@ MIN_REQUEST_SECONDS = 1.0
 
 #: Seconds of the first pause after a shared-cache table lock (``table_locked``); it doubles up to 50 ms.
 TABLE_LOCKED_PAUSE = 0.001
+
+#: On SQLite, which cannot notify waiters: seconds (times a random 0.5-1.0) between the tries of the waiter
+#: first in line, and as much more per waiter ahead (up to the back-off's 200 ms). A hand-off waits on the
+#: next waiter's pause, and the one behind it is polling nearly as often when its turn comes. A try that
+#: takes nothing writes nothing (its place is refreshed once half its life is gone).
+NEXT_IN_LINE_PAUSE = 0.01
 
 #: What bounds a request, for messages.
 BOUNDED_BY = "REQUEST_TIMEOUT or the caller's timeout"
@@ -360,8 +367,8 @@ class DatabaseBackend(BaseLockBackend):
             # Noted before the try: a release that lands between the try and the wait wakes the wait.
             attempt.notified_since = self._listener.since()
         try:
-            row = self._run(self._dialect.acquire, params, operation=f"acquire lock {attempt.name!r}",
-                            deadline=attempt.deadline)
+            row, ahead = self._run(self._dialect.acquire, params, operation=f"acquire lock {attempt.name!r}",
+                                   deadline=attempt.deadline)
         except WriteSlotBusy as exc:
             # Another writer kept SQLite's write slot for this whole try, whose transaction rolled back:
             # the lock was not even looked at. A blocking call with time left waits as for a held lock;
@@ -371,22 +378,27 @@ class DatabaseBackend(BaseLockBackend):
             logger.info("%s; trying again within the caller's timeout.", str(exc).rstrip("."))
             return None
         if row is None:
+            if ahead is not None:
+                attempt.retry_after = (ahead + 1) * NEXT_IN_LINE_PAUSE
             return None
         token, acquired_at, _expires_at = row
         return Grant(token=token, acquired_at=self._dialect.aware(acquired_at))
 
     def _wait_for_release(self, attempt, remaining):
-        """Back off (``_back_off``); on PostgreSQL, stop as soon as a release of the lock is announced.
+        """Back off (``_back_off``), or less on SQLite near the head of the line (``NEXT_IN_LINE_PAUSE``); on
+        PostgreSQL, stop as soon as a release of the lock is announced.
 
         The listener starts at an attempt's first wait; a release between that attempt's first try
         and the start is not heard, and costs this one pause.
         """
         pause = self._back_off(attempt, remaining)
+        if attempt.retry_after is not None:
+            pause = min(pause, attempt.retry_after * random.uniform(0.5, 1.0))
         if self._listener is None:
             time.sleep(pause)
             return
         since = attempt.notified_since if attempt.notified_since is not None else self._listener.since()
-        if self._listener.wait(attempt.name, since, pause) == "release":
+        if self._listener.wait(attempt.owner, since, pause) == "release":
             logger.debug("Lock %r (alias %r): a release notification woke the waiter.", attempt.name, self.alias)
 
     def _give_up(self, attempt, reason):

@@ -33,9 +33,11 @@ __all__ = ["Command", "DATABASE_BACKEND_SCHEMA", "SCHEMA_LOOKUPS"]
 #: that was never migrated, and the migration records cannot tell (an SQL-only deploy has none).
 DATABASE_BACKEND_SCHEMA = {
     "postgresql": (("table", "distlock_lock", "0001_initial"),
-                   ("sequence", "distlock_token_seq", "0002_token_sequence")),
+                   ("sequence", "distlock_token_seq", "0002_token_sequence"),
+                   ("table", "distlock_lockwaiter", "0004_lockwaiter")),
     "sqlite": (("table", "distlock_lock", "0001_initial"),
-               ("table", "distlock_tokensequence", "0001_initial")),
+               ("table", "distlock_tokensequence", "0001_initial"),
+               ("table", "distlock_lockwaiter", "0004_lockwaiter")),
 }
 
 #: Catalog lookups that return the kind of the object with that name as the backend's statements resolve
