@@ -114,14 +114,15 @@ def listening_pid(alias):
 
 
 def test_a_release_notification_wakes_a_waiter_long_before_its_next_poll(lock_name, caplog, monkeypatch):
-    """The waiter's back-off is stretched past its timeout: only the notification can hand it the lock in time."""
+    """The waiter's back-off is stretched to its whole timeout, longer than the test waits: only the notification
+    can hand it the lock in time."""
     alias = require_alias("postgres")
     backend = locks[alias]
     monkeypatch.setattr(backend, "_back_off", types.MethodType(lambda self, attempt, remaining: remaining, backend))
     holder = distlock.acquire(lock_name, ttl=30, using=alias)
     order = []
     with caplog.at_level(logging.DEBUG, logger="distlock.backends.database"):
-        waiter = Waiter(alias, lock_name, order, "woken")
+        waiter = Waiter(alias, lock_name, order, "woken", timeout=3 * PATIENCE)
         wait_until(lambda: len(queued(alias, lock_name)) == 1 and listening_pid(alias) is not None, PATIENCE,
                    "the waiter queued, and its process listening")
         assert holder.release() is True
@@ -132,20 +133,36 @@ def test_a_release_notification_wakes_a_waiter_long_before_its_next_poll(lock_na
     assert woken, [record.getMessage() for record in caplog.records]
 
 
-def test_a_lost_notification_costs_a_poll_and_the_listener_listens_again(lock_name):
-    """The listening connection is cut (pg_terminate_backend) and the lock freed without NOTIFY: polling hands it over."""
+def test_a_lock_freed_without_notification_is_handed_over_by_polling(lock_name):
+    """The waiter listens, but the lock is freed behind the protocol's back (a plain DELETE sends no NOTIFY).
+
+    Its timeout is longer than the test waits for it: a last try at the deadline would hand it the lock
+    without any polling.
+    """
     alias = require_alias("postgres")
     holder = distlock.acquire(lock_name, ttl=30, using=alias)
     order = []
-    waiter = Waiter(alias, lock_name, order, "polled")
+    waiter = Waiter(alias, lock_name, order, "polled", timeout=3 * PATIENCE)
+    wait_until(lambda: len(queued(alias, lock_name)) == 1 and listening_pid(alias) is not None, PATIENCE,
+               "the waiter queued, and its process listening")
+    assert Lock.objects.using(locks[alias].database).filter(name=lock_name, owner=holder.owner).delete()[0] == 1
+    waiter.join()
+    assert order == ["polled"]
+
+
+def test_a_cut_listening_connection_is_replaced_and_a_waiter_meanwhile_still_gets_the_lock(lock_name):
+    """pg_terminate_backend on the listening connection while a waiter waits: the lock still changes hands."""
+    alias = require_alias("postgres")
+    holder = distlock.acquire(lock_name, ttl=30, using=alias)
+    order = []
+    waiter = Waiter(alias, lock_name, order, "waiter")
     wait_until(lambda: len(queued(alias, lock_name)) == 1 and listening_pid(alias) is not None, PATIENCE,
                "the waiter queued, and its process listening")
     cut = listening_pid(alias)
     with connections[locks[alias].database].cursor() as cursor:
         cursor.execute("SELECT pg_terminate_backend(%s)", [cut])
         assert cursor.fetchone() == (True,)
-    # Freed behind the protocol's back: a plain DELETE sends no notification at all.
-    assert Lock.objects.using(locks[alias].database).filter(name=lock_name, owner=holder.owner).delete()[0] == 1
+    assert holder.release() is True
     waiter.join()
-    assert order == ["polled"]
+    assert order == ["waiter"]
     wait_until(lambda: listening_pid(alias) not in (None, cut), PATIENCE, "the listener on a new connection")
