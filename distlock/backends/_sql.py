@@ -32,8 +32,8 @@ from django.utils import timezone
 
 from distlock.backends.deadlines import DeadlineTimer
 
-__all__ = ["DIALECTS", "MIN_SQLITE_VERSION", "NOTIFY_CHANNEL", "UNWATCHED", "WAITER_TTL", "close_quietly", "engine_vendor",
-           "table_locked"]
+__all__ = ["DIALECTS", "MIN_SQLITE_VERSION", "NOTIFY_CHANNEL", "UNWATCHED", "WAITER_TTL", "close_quietly",
+           "engine_vendor", "table_locked"]
 
 # -- PostgreSQL ---------------------------------------------------------------------------------------
 

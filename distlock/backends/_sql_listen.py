@@ -3,10 +3,10 @@
 A release with waiters sends ``NOTIFY`` with the owner id of the waiter first in line
 (``distlock.backends._sql``). One background loop per backend (a daemon thread, or a greenlet under
 gevent: ``Daemon``) holds a connection of its own, outside the pool of ``MAX_CONNECTIONS``, listening
-on ``NOTIFY_CHANNEL``, and wakes the waiter of this process with that owner id, if it is here. It starts at the first wait, so processes
-that never wait open no such connection. Notifications only hurry waiters on: a waiter whose
-notification is lost (the connection dropped, the loop not listening yet) tries again after its
-back-off, as without them.
+on ``NOTIFY_CHANNEL``, and wakes the waiter of this process with that owner id, if it is here. It
+starts at the first wait, so processes that never wait open no such connection. Notifications only
+hurry waiters on: a waiter whose notification is lost (the connection dropped, the loop not listening
+yet) tries again after its back-off, as without them.
 """
 
 import logging

@@ -100,13 +100,13 @@ class DatabaseBackend(BaseLockBackend):
     Acquire is one atomic statement (PostgreSQL) or one ``BEGIN IMMEDIATE`` transaction (SQLite) that
     also takes expired locks over and draws the next alias-wide fencing token. Waiters queue, and a
     free lock goes to the one that queued first; they look again after a short jittered back-off or,
-    on PostgreSQL, as soon as a release notification arrives. A request that cannot finish within ``REQUEST_TIMEOUT`` (or the caller's
-    timeout) raises ``BackendUnavailable``. On SQLite, another writer keeping the database's write slot
-    for a whole request made that request change nothing: a blocking acquire with time left counts the
-    try as "not granted yet" and tries again, like for a held lock; once its timeout has run out, and for
-    a non-blocking acquire, release, extend and the listing, it raises ``BackendUnavailable`` ("stayed
-    locked by another writer", ``WriteSlotBusy``). On SQLite, locking inside this thread's open
-    transaction on the same database raises ``LockWouldDeadlock``.
+    on PostgreSQL, as soon as a release notification arrives. A request that cannot finish within
+    ``REQUEST_TIMEOUT`` (or the caller's timeout) raises ``BackendUnavailable``. On SQLite, another writer
+    keeping the database's write slot for a whole request made that request change nothing: a blocking acquire
+    with time left counts the try as "not granted yet" and tries again, like for a held lock; once its timeout
+    has run out, and for a non-blocking acquire, release, extend and the listing, it raises
+    ``BackendUnavailable`` ("stayed locked by another writer", ``WriteSlotBusy``). On SQLite, locking inside
+    this thread's open transaction on the same database raises ``LockWouldDeadlock``.
     """
 
     capabilities = frozenset({SAFE_FENCING_TOKENS})
@@ -410,7 +410,8 @@ class DatabaseBackend(BaseLockBackend):
         if not (isinstance(reason, LockNotAcquired) and attempt.blocking and attempt.tries):
             return
         try:
-            self._run(self._dialect.leave, {"owner": attempt.owner}, operation=f"leave the queue of lock {attempt.name!r}")
+            self._run(self._dialect.leave, {"owner": attempt.owner},
+                      operation=f"leave the queue of lock {attempt.name!r}")
         except BackendUnavailable as exc:
             # The caller's answer is still "not acquired"; the place expires on its own.
             logger.warning("%s Its place in the queue expires within %gs.", exc, WAITER_TTL)

@@ -78,7 +78,7 @@ def test_waiters_get_the_lock_in_arrival_order_and_a_releaser_that_comes_back_qu
 
 
 def test_a_waiter_killed_while_queued_holds_the_lock_up_for_its_place_ttl_at_most(db_alias, lock_name):
-    """A SIGKILLed waiter at the head of the queue: its place expires within WAITER_TTL, the next waiter gets the lock."""
+    """A SIGKILLed waiter first in line: its place expires within WAITER_TTL, and the next waiter gets the lock."""
     holder = distlock.acquire(lock_name, ttl=30, using=db_alias)
     doomed = spawn("hammer", alias=db_alias, name=lock_name, count=1, ttl=10)
     try:
