@@ -9,8 +9,10 @@
    ``bench.tries`` (grants/s of contended non-blocking tries per alias, next to Redis) takes its slot
    length from ``DISTLOCK_BENCH_TRIES_SECONDS``, ``bench.listing`` (the admin page's first page and
    ``distlock list``'s stream with 1,000 to 100,000 locks held) its sizes from ``DISTLOCK_BENCH_LISTING_SIZES``,
-   and ``bench.processes`` (1 to 16 processes on distinct names per alias, next to the bare-protocol floor)
-   its slot length from ``DISTLOCK_BENCH_PROCESSES_SECONDS``.
+   ``bench.processes`` (1 to 16 processes on distinct names per alias, next to the bare-protocol floor)
+   its slot length from ``DISTLOCK_BENCH_PROCESSES_SECONDS``, and ``bench.handoffs`` (4 processes on one
+   database lock: hand-offs/s, wait p50/p99, fairness, ``BackendUnavailable``) runs this checkout alone
+   (``--before`` puts another checkout beside it).
 
 The database backends need their tables: test databases are created (and dropped afterwards) as the
 test runner does, and worker processes use them.
