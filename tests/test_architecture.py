@@ -26,7 +26,7 @@ LAYERS = [
                    "distlock.validation", "distlock.waiting", "distlock.backends.green", "distlock.backends.offload",
                    "distlock.backends.deadlines", "distlock.backends.redis_servers"]),
     ("exceptions", ["distlock.exceptions"]),
-    # The app's own tables: Lock, TokenSequence, FencingRejection, MetricSample.
+    # The app's own tables: Lock, LockWaiter, TokenSequence, FencingRejection, MetricSample.
     ("tables", ["distlock.models", "distlock.migrations"]),
     # Recorded by every lease, stored in MetricSample.
     ("metrics", ["distlock.metrics"]),

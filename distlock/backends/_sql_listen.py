@@ -35,8 +35,9 @@ class ReleaseListener:
     """Wake a waiter of this process when the database announces that its turn came (a release).
 
     A waiter notes ``since()`` before its try and, after a refused try, ``wait``s for an announcement
-    for its owner id numbered above it: a release landing between the try and the wait is not missed. Each time the
-    loop starts listening (again), every waiter is woken, since releases may have gone unheard before.
+    for its owner id numbered above it: a release landing between the try and the wait is not missed.
+    Each time the loop starts listening (again), every waiter is woken, since releases may have gone
+    unheard before.
     """
 
     #: Owners whose latest announcement is remembered; older ones fall back to polling.
@@ -95,9 +96,11 @@ class ReleaseListener:
 
         return self._wakeups.wait_for(woken, timeout)
 
-    def _announce(self, owner=None):
-        """Number the turn of ``owner`` (None: a start of listening) and wake the waiters."""
+    def _announce(self, stopping, owner=None):
+        """Number the turn of ``owner`` (None: a start of listening) and wake the waiters; not once stopped."""
         with self._counting:
+            if stopping[0]:
+                return
             self.sequence += 1
             if owner is None:
                 self._listening_since = self.sequence
@@ -111,11 +114,15 @@ class ReleaseListener:
     def _listen(self, stopping):
         pause = RECONNECT_PAUSES[0]
         while not stopping[0]:
+            wrapper = None
             try:
-                self.wrapper = self._connect()
-                connection = self.wrapper.connection
+                wrapper = self._connect()
+                if stopping[0]:
+                    break  # stopped while connecting: a newer loop may be the current one
+                self.wrapper = wrapper
+                connection = wrapper.connection
                 connection.execute(f"LISTEN {self._channel}")
-                self._announce()
+                self._announce(stopping)
                 pause = RECONNECT_PAUSES[0]
                 # libpq's own calls, not psycopg's ``notifies()``: its wait is a C poll() that eventlet
                 # cannot switch out of, so it would stall every green thread of the process. ``select``
@@ -126,14 +133,17 @@ class ReleaseListener:
                         continue
                     pgconn.consume_input()  # raises once the server closed the connection
                     while (notification := pgconn.notifies()) is not None:
-                        self._announce(notification.extra.decode())
+                        self._announce(stopping, notification.extra.decode())
             except Exception as exc:  # noqa: BLE001 - any failure: waiters poll meanwhile, the loop reconnects
                 if not stopping[0]:
                     logger.info("Alias %r: release notifications interrupted (%s); waiters poll until they resume.",
                                 self._alias, redact(str(exc).strip().split("\n", 1)[0]))
             finally:
-                self._listening_since = None
-                wrapper, self.wrapper = self.wrapper, None
+                # A stopped loop leaves the state alone: a loop started after the stop owns it.
+                if not stopping[0]:
+                    self._listening_since = None
+                if self.wrapper is wrapper:
+                    self.wrapper = None
                 if wrapper is not None:
                     self._disconnect(wrapper)
             if stopping[0]:
@@ -146,9 +156,10 @@ class ReleaseListener:
         with self._start_lock:
             daemon, stopping = self._daemon, self._stopping
             self._daemon = self._stopping = None
-        if daemon is None:
-            return
-        stopping[0] = True
+            if daemon is None:
+                return
+            stopping[0] = True
+            self._listening_since = None
         self._wakeups.notify_all()
         if not daemon.is_current():
             daemon.join(2 * RECEIVE_SECONDS)
