@@ -43,10 +43,11 @@ class ReleaseListener:
     #: Owners whose latest announcement is remembered; older ones fall back to polling.
     remembered = 1024
 
-    def __init__(self, connect, disconnect, channel, alias):
-        #: ``connect()`` returns a connected wrapper of the backend's own; ``disconnect(wrapper)`` closes it.
+    def __init__(self, connect, disconnect, alias):
+        #: ``connect()`` returns a wrapper of the backend's own that listens on ``NOTIFY_CHANNEL`` already (its
+        #: ``LISTEN`` bounded by ``REQUEST_TIMEOUT``); ``disconnect(wrapper)`` closes it.
         self._connect, self._disconnect = connect, disconnect
-        self._channel, self._alias = channel, alias
+        self._alias = alias
         self._wakeups = Wakeups()
         self._forget_after_fork()
         _LISTENERS.add(self)
@@ -120,14 +121,12 @@ class ReleaseListener:
                 if stopping[0]:
                     break  # stopped while connecting: a newer loop may be the current one
                 self.wrapper = wrapper
-                connection = wrapper.connection
-                connection.execute(f"LISTEN {self._channel}")
                 self._announce(stopping)
                 pause = RECONNECT_PAUSES[0]
                 # libpq's own calls, not psycopg's ``notifies()``: its wait is a C poll() that eventlet
                 # cannot switch out of, so it would stall every green thread of the process. ``select``
                 # is what gevent and eventlet patch.
-                pgconn = connection.pgconn
+                pgconn = wrapper.connection.pgconn
                 while not stopping[0]:
                     if not select.select([pgconn.socket], [], [], RECEIVE_SECONDS)[0]:
                         continue

@@ -140,7 +140,7 @@ class DatabaseBackend(BaseLockBackend):
         self._memory = None
         self._memory_lock = threading.Lock()
         #: Release notifications (PostgreSQL): the process's one listening connection for this alias.
-        self._listener = (ReleaseListener(self._listening_connection, self._dialect.disconnect, NOTIFY_CHANNEL, alias)
+        self._listener = (ReleaseListener(self._listening_connection, self._dialect.disconnect, alias)
                           if self.vendor == "postgresql" else None)
         connection_created.connect(self._close_before_database_maintenance, weak=True)
 
@@ -219,11 +219,18 @@ class DatabaseBackend(BaseLockBackend):
             return self._memory[0]
 
     def _listening_connection(self):
-        """Return a new connected wrapper for the release listener, connected within ``REQUEST_TIMEOUT``."""
+        """Return a new wrapper listening on ``NOTIFY_CHANNEL``: connected, ``LISTEN`` done, within ``REQUEST_TIMEOUT``.
+
+        The release listener's (``distlock.backends._sql_listen``): a paused server cuts it off like any statement.
+        """
         wrapper = self._new_connection()
         try:
-            self._dialect.connect(wrapper, self.settings["REQUEST_TIMEOUT"],
-                                  settings.DATABASES[self.database].get("OPTIONS", {}))
+            ends = time.monotonic() + self.settings["REQUEST_TIMEOUT"]
+            with wrapper.wrap_database_errors:
+                self._dialect.connect(wrapper, ends - time.monotonic(),
+                                      settings.DATABASES[self.database].get("OPTIONS", {}))
+                with self._dialect.watch(wrapper, ends):
+                    wrapper.connection.execute(f"LISTEN {NOTIFY_CHANNEL}")
         except BaseException:
             self._dialect.disconnect(wrapper)
             raise
