@@ -46,6 +46,7 @@ from distlock.backends._sql_pool import ConnectionPool
 from distlock.backends.base import SAFE_FENCING_TOKENS, BaseLockBackend, Grant, check_page, cut_page
 from distlock.backends.deadlines import request_seconds
 from distlock.backends.green import green_library
+from distlock.backends.offload import Abandoned
 from distlock.backends.options import Option, positive_count, positive_number
 from distlock.conf import PRIVATE_MEMORY, SHARED_MEMORY, sqlite_memory
 from distlock.exceptions import BackendUnavailable, LockNotAcquired, LockWouldDeadlock
@@ -411,10 +412,12 @@ class DatabaseBackend(BaseLockBackend):
     def _give_up(self, attempt, reason):
         """A waiter whose timeout ran out leaves the queue at once (else its place expires within ``WAITER_TTL``).
 
-        Only on a timeout: after any other exception (the database failed, the caller was interrupted)
-        one more request would stretch the caller's wait.
+        Only on a timeout, or for a caller that already left (``Abandoned``: a cancelled coroutine, whose
+        place would otherwise hold up a free lock for ``WAITER_TTL``): after any other exception (the
+        database failed, the caller was interrupted on its own thread) one more request would stretch
+        the caller's wait.
         """
-        if not (isinstance(reason, LockNotAcquired) and attempt.blocking and attempt.tries):
+        if not (isinstance(reason, (LockNotAcquired, Abandoned)) and attempt.blocking and attempt.tries):
             return
         try:
             self._run(self._dialect.leave, {"owner": attempt.owner},
