@@ -29,8 +29,10 @@ BACKEND_ALIASES = {
 SHARED_ALIASES = [alias for alias in BACKEND_ALIASES if alias != "locmem"]
 
 #: ``BACKEND_ALIASES`` and the aliases only the contract suite, the fencing timelines and their own module run
-#: on: a Redis Cluster alias is the Redis backend, whose behaviour above the server the "redis" alias covers.
-CONTRACT_ALIASES = {**BACKEND_ALIASES, "redis_cluster": "rediscluster"}
+#: on: a Redis Cluster alias is the Redis backend, whose behaviour above the server the "redis" alias covers;
+#: zookeeper_buckets is the ZooKeeper backend with LAYOUT "buckets", whose znode layout only the contract suite
+#: and tests/backends/test_zookeeper.py need.
+CONTRACT_ALIASES = {**BACKEND_ALIASES, "redis_cluster": "rediscluster", "zookeeper_buckets": "zookeeper"}
 CONTRACT_SHARED_ALIASES = [alias for alias in CONTRACT_ALIASES if alias != "locmem"]
 
 

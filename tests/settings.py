@@ -86,6 +86,10 @@ if os.environ.get("DISTLOCK_TEST_ZK_HOSTS"):
     DISTLOCK["zookeeper"] = {"BACKEND": "distlock.backends.zookeeper.ZooKeeperBackend",
                              "OPTIONS": {"HOSTS": os.environ["DISTLOCK_TEST_ZK_HOSTS"],
                                          "KEY_PREFIX": f"/distlock-test-{RUN_ID}"}}
+    # The same ensemble with the other znode layout (LAYOUT in the README), on a KEY_PREFIX of its own.
+    DISTLOCK["zookeeper_buckets"] = {"BACKEND": "distlock.backends.zookeeper.ZooKeeperBackend",
+                                     "OPTIONS": {"HOSTS": os.environ["DISTLOCK_TEST_ZK_HOSTS"],
+                                                 "KEY_PREFIX": f"/distlock-test-buckets-{RUN_ID}", "LAYOUT": "buckets"}}
 
 if os.environ.get("DISTLOCK_TEST_ETCD_ENDPOINTS"):
     DISTLOCK["etcd"] = {"BACKEND": "distlock.backends.etcd.EtcdBackend",
@@ -95,7 +99,8 @@ if os.environ.get("DISTLOCK_TEST_ETCD_ENDPOINTS"):
 # Children whose paused or killed holders must be freed sooner than a 10 s session (tests/test_fencing.py,
 # tests/backends/test_contract.py): ZooKeeper's session timeout and etcd's session lease, in whole seconds.
 if os.environ.get("DISTLOCK_TEST_SESSION_TIMEOUT"):
-    for _alias, _option in (("zookeeper", "SESSION_TIMEOUT"), ("etcd", "LEASE_TTL")):
+    for _alias, _option in (("zookeeper", "SESSION_TIMEOUT"), ("zookeeper_buckets", "SESSION_TIMEOUT"),
+                            ("etcd", "LEASE_TTL")):
         if _alias in DISTLOCK:
             DISTLOCK[_alias]["OPTIONS"][_option] = int(os.environ["DISTLOCK_TEST_SESSION_TIMEOUT"])
 

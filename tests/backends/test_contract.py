@@ -32,11 +32,12 @@ def shared_alias(request):
 
 
 #: Aliases of a backend another alias already runs on the same server, which differ from it only in where
-#: their client comes from: redis_cache is the Redis backend on django-redis's connection. Every test runs on
+#: their client comes from or where their keys live: redis_cache is the Redis backend on django-redis's
+#: connection, zookeeper_buckets the ZooKeeper backend with LAYOUT "buckets". Every test runs on
 #: them, except those that wait seconds for what the server does with a lease (expiry, renewal past three
 #: ttls, max_hold, a killed holder, four processes): those run on them with DISTLOCK_FAULTS_LONG=1 (make
-#: test's time budget), and on the alias of the same backend ("redis") always.
-SAME_BACKEND_AS = {"redis_cache": "redis"}
+#: test's time budget), and on the alias of the same backend ("redis", "zookeeper") always.
+SAME_BACKEND_AS = {"redis_cache": "redis", "zookeeper_buckets": "zookeeper"}
 #: Aliases whose tests of seconds with several processes (four processes hammering, a killed holder) run with
 #: DISTLOCK_FAULTS_LONG=1 only: redis_cluster runs the Redis scripts of "redis", one slot at a time, and its
 #: own processes' tests (tests/backends/test_redis_cluster.py, the fencing timelines) cover it in make test.

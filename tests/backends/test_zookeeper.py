@@ -35,7 +35,7 @@ from distlock.backends.zookeeper import (
     encode_name,
     holders_of,
 )
-from distlock.backends.zookeeper.protocol import Contender
+from distlock.backends.zookeeper.protocol import BUCKET_COUNT, Contender, bucket_of
 from distlock.checks import W001, W002, check_distlock_setting
 from distlock.conformance.checker import check
 from distlock.handler import locks
@@ -145,7 +145,7 @@ def test_queue_rules():
 @pytest.mark.parametrize(("option", "value"), [
     ("HOSTS", ""), ("HOSTS", "127.0.0.1:2181,,"), ("KEY_PREFIX", "distlock"), ("KEY_PREFIX", "/"),
     ("KEY_PREFIX", "/a/"), ("KEY_PREFIX", "/a/../b"), ("KEY_PREFIX", "/zookeeper/x"), ("SESSION_TIMEOUT", 0),
-    ("REQUEST_TIMEOUT", "5"), ("SESSION_TIMEOUT", 2**31 / 1000),
+    ("REQUEST_TIMEOUT", "5"), ("SESSION_TIMEOUT", 2**31 / 1000), ("LAYOUT", "tree"), ("LAYOUT", "Buckets"),
 ])
 def test_bad_options_are_refused_naming_the_option(option, value):
     options = {"HOSTS": "127.0.0.1:2181", option: value}
@@ -606,6 +606,104 @@ def expire_session(hosts, client):
     intruder.start(timeout=15)
     intruder.stop()
     intruder.close()
+
+
+# -- layouts and listing ----------------------------------------------------------------------------
+
+def test_buckets_layout_keeps_each_lock_in_the_bucket_of_its_name(backends, options, zk, lock_name):
+    """KEY_PREFIX/bucket=<NNN>/<encoded name>/<contender>; the bucket stays when the lock's parent goes."""
+    root = f"{options['KEY_PREFIX']}-buckets-{uuid.uuid4().hex[:8]}"
+    backend = backends(KEY_PREFIX=root, LAYOUT="buckets")
+    try:
+        lease = backend.acquire(lock_name, ttl=10, timeout=5, blocking=True)
+        bucket = f"{root}/{bucket_of(encode_name(lock_name))}"
+        assert re.fullmatch(r"bucket=\d{3}", bucket_of(encode_name(lock_name))) and int(bucket[-3:]) < BUCKET_COUNT
+        assert [node.split("-", 1)[0] for node in our_nodes(zk, bucket, lock_name)] == [lease.owner]
+        assert zk.get_children(root) == [bucket.rsplit("/", 1)[1]]
+        assert [info.owner for info in backend.held_locks(lock_name)] == [lease.owner]
+        assert lease.release() is True
+        wait_for(lambda: our_nodes(zk, bucket, lock_name) is None, 10, "the lock's parent going")
+        assert zk.get_children(bucket) == [], "the lock's parent is gone, its bucket stays"
+        assert backend.acquire(lock_name, ttl=10, timeout=0, blocking=False).release() is True
+    finally:
+        zk.delete(root, recursive=True)
+
+
+def test_buckets_listing_pages_every_held_lock_once_across_buckets(backends, options, zk, lock_name):
+    """Cursors walk the buckets in order, past empty buckets and buckets with only other names; each
+    page is sorted; a prefix keeps only its names; a cursor of no page is refused before any request."""
+    root = f"{options['KEY_PREFIX']}-buckets-{uuid.uuid4().hex[:8]}"
+    backend = backends(KEY_PREFIX=root, LAYOUT="buckets")
+    names = [f"{lock_name}:{index:02}" for index in range(12)]
+    try:
+        leases = [backend.acquire(name, ttl=30, timeout=5, blocking=True) for name in names]
+        others = [backend.acquire(f"{lock_name}-other:{index}", ttl=30, timeout=5, blocking=True) for index in range(3)]
+        buckets = {bucket_of(encode_name(name)) for name in names}
+        assert len(buckets) > 3, "the names fall in several buckets"
+        empty = next(f"bucket={index:03d}" for index in range(BUCKET_COUNT)
+                     if f"bucket={index:03d}" not in buckets | {bucket_of(encode_name(lease.name)) for lease in others})
+        zk.create(f"{root}/{empty}")  # a bucket every lock in it has left
+        for limit in (1, 2, 5, 100):
+            pages, cursor = [], None
+            while True:
+                page = backend.held_locks(f"{lock_name}:", limit=limit, cursor=cursor)
+                pages.append([info.name for info in page])
+                cursor = page.cursor
+                if cursor is None:
+                    break
+                assert len(pages) <= len(names), "the cursors never end"
+            listed = [name for page in pages for name in page]
+            assert sorted(listed) == names, f"limit {limit}: every held lock of the prefix once, nothing else"
+            assert all(page == sorted(page) and len(page) <= limit for page in pages)
+        everything = backend.held_locks()
+        assert everything.cursor is None and sorted(info.name for info in everything) == sorted(
+            lease.name for lease in [*leases, *others])
+        for cursor in ("x", f"{BUCKET_COUNT}:a", "7:a", "007:a/b", names[0]):
+            with pytest.raises(ValueError, match="is no page's"):
+                backend.held_locks("", limit=2, cursor=cursor)
+        for lease in [*leases, *others]:
+            lease.release()
+        assert backend.held_locks(f"{lock_name}:", limit=2) == []
+    finally:
+        zk.delete(root, recursive=True)
+
+
+def test_locks_of_the_other_layout_are_reported(backends, options, zk, lock_name):
+    """Two layouts on one KEY_PREFIX do not exclude each other: each alias's ``foreign_records()`` (``distlock
+    check``) names the other's znodes, and a bucket's child that belongs to another bucket."""
+    root = f"{options['KEY_PREFIX']}-layouts-{uuid.uuid4().hex[:8]}"
+    flat, bucketed = backends(KEY_PREFIX=root), backends(KEY_PREFIX=root, LAYOUT="buckets")
+    try:
+        flat_lease = flat.acquire(lock_name, ttl=10, timeout=5, blocking=True)
+        bucket_lease = bucketed.acquire(f"{lock_name}-b", ttl=10, timeout=5, blocking=True)
+        bucket = bucket_of(encode_name(bucket_lease.name))
+        assert [info.name for info in flat.held_locks(lock_name)] == [lock_name], "each sees its own layout only"
+        assert [info.name for info in bucketed.held_locks(lock_name)] == [bucket_lease.name]
+        misplaced = next(f"{root}/{bucket}/{node}" for node in (f"x{index}" for index in range(1000))
+                         if bucket_of(node) != bucket)
+        zk.create(misplaced)
+        (report,) = flat.foreign_records()
+        assert report.startswith(f"{root}/{bucket}: a bucket of LAYOUT 'buckets'") and "same LAYOUT" in report
+        reports = bucketed.foreign_records()
+        assert len(reports) == 2
+        assert reports[0].startswith(f"{root}/{encode_name(lock_name)}: lock {lock_name!r} of LAYOUT 'flat'")
+        assert reports[1].startswith(f"{misplaced}: not in the bucket its name falls in")
+        flat_lease.release()
+        bucket_lease.release()
+    finally:
+        zk.delete(root, recursive=True)
+
+
+@pytest.mark.django_db(transaction=True, databases="__all__")
+def test_distlock_check_reports_a_lock_of_the_other_layout(alias, backends, options, zk, lock_name):
+    bucket = f"{options['KEY_PREFIX']}/{bucket_of(encode_name(lock_name))}"
+    try:
+        with backends(LAYOUT="buckets").acquire(lock_name, ttl=10, timeout=5, blocking=True):
+            out = io.StringIO()
+            call_command("distlock", "check", "--using", alias, stdout=out)
+            assert f"{alias}: WARNING {bucket}: a bucket of LAYOUT 'buckets'" in out.getvalue()
+    finally:
+        zk.delete(bucket, recursive=True)  # buckets stay: other tests' checks would report it
 
 
 @pytest.mark.django_db(transaction=True, databases="__all__")

@@ -26,9 +26,10 @@ from distlock.backends.zookeeper.protocol import (
     NodeGone,
     Taken,
     delete_owned,
-    encode_name,
     foreign_nodes,
     holders,
+    parent_path,
+    read_cursor,
     release,
 )
 from distlock.backends.zookeeper.session import FAILURES, NoAnswer, NotConnected, Session
@@ -99,7 +100,7 @@ class ZooKeeperBackend(BaseLockBackend):
         return cause
 
     def _parent_path(self, name):
-        return f"{self._session.root}/{encode_name(name)}"
+        return parent_path(self._session.root, self.settings["LAYOUT"], name)
 
     def session_valid_until(self, lease):
         """Return when ``lease``'s session may have expired on the server (``Session.valid_until``)."""
@@ -232,9 +233,11 @@ class ZooKeeperBackend(BaseLockBackend):
         ``acquired_at`` is when the holder's znode was created (server clock); ``expires_at`` is None:
         the ttl lives in the holder's process, the server frees the lock when its session ends.
         Persistent children are no holders ("Foreign children" in ``protocol``). A page counts lock
-        names: a read lock's page shows each of its readers.
+        names: a read lock's page shows each of its readers. With LAYOUT "flat", pages follow name order;
+        with "buckets", bucket order ("Listing" in ``protocol``), each page sorted by name.
         """
         check_page(limit, cursor)
+        read_cursor(self.settings["LAYOUT"], cursor)  # a cursor from a URL is refused before any I/O
         return self._call(lambda job: self._held_locks(prefix, limit, cursor))
 
     def _held_locks(self, prefix, limit, cursor):
@@ -247,12 +250,14 @@ class ZooKeeperBackend(BaseLockBackend):
                              for name, data, stat in found], next_cursor)
 
     def foreign_records(self):
-        """Return a description of every child of a lock's parent that the protocol ignores.
+        """Return a description of every znode under ``KEY_PREFIX`` that the protocol ignores.
 
-        Those are children whose name is not a contender's (owner, kind and a non-negative sequence)
-        and persistent children (contenders are always ephemeral). Planted by hand or by a client
-        that can write under ``KEY_PREFIX``; harmless to the locks, reported by ``distlock check``.
-        Each description names the znode path and why it is ignored.
+        Those are children of a lock's parent whose name is not a contender's (owner, kind and a
+        non-negative sequence) and persistent children (contenders are always ephemeral): planted by
+        hand or by a client that can write under ``KEY_PREFIX``, harmless to the locks. And the znodes
+        of the other LAYOUT ("Layouts" in ``protocol``): locks of processes configured with another
+        LAYOUT, which exclude nothing of this alias's. Reported by ``distlock check``; each
+        description names the znode path and why it is ignored.
         """
         return self._call(lambda job: self._foreign_records())
 

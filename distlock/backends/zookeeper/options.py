@@ -22,9 +22,13 @@ from kazoo.security import ACL, Id, Permissions, make_digest_acl_credential
 from distlock.backends.options import Option, positive_number
 from distlock.redaction import REDACTED
 
-__all__ = ["OPTIONS", "RENAMED_OPTIONS", "Secret", "check_tls_combination", "open_access_warnings"]
+__all__ = ["BUCKETS", "FLAT", "OPTIONS", "RENAMED_OPTIONS", "Secret", "check_tls_combination", "open_access_warnings"]
 
 KEY_PREFIX_DEFAULT = "/distlock"
+
+#: LAYOUT's values (``protocol``'s znode layouts): every lock's parent right under KEY_PREFIX, or under
+#: one of a fixed number of hash buckets, so that a page of ``held_locks()`` reads a few buckets only.
+FLAT, BUCKETS = "flat", "buckets"
 
 #: kazoo sends the session timeout as a signed 32-bit number of milliseconds; a larger one kills its
 #: connection thread (struct.error) and the alias never connects.
@@ -169,6 +173,10 @@ def _valid_key_prefix(value):
     return None
 
 
+def _valid_layout(value):
+    return None if value in (FLAT, BUCKETS) else f'must be "{FLAT}" or "{BUCKETS}"'
+
+
 def _valid_session_timeout(value):
     problem = positive_number(value)
     if problem is None and value > MAX_SESSION_TIMEOUT:
@@ -186,6 +194,8 @@ OPTIONS = {
     "HOSTS": Option(str, required=True, check=_valid_hosts, expected='the ensemble as "host:port,host:port,..."'),
     "KEY_PREFIX": Option(str, KEY_PREFIX_DEFAULT, check=_valid_key_prefix,
                          expected='an absolute znode path such as "/distlock"'),
+    # Every process of an alias must use the same LAYOUT: two layouts never see each other's locks.
+    "LAYOUT": Option(str, FLAT, check=_valid_layout, expected=f'"{FLAT}" or "{BUCKETS}"'),
     "SESSION_TIMEOUT": Option((int, float), 10, check=_valid_session_timeout, expected="a number of seconds"),
     "REQUEST_TIMEOUT": Option((int, float), 5, check=positive_number, expected="a number of seconds"),
     "AUTH_DATA": _SecretOption(_clean_auth_data, expected='a list of (scheme, credential) pairs such as '

@@ -2,6 +2,7 @@
 
 import re
 import threading
+import zlib
 from contextlib import suppress
 from urllib.parse import quote, unquote
 
@@ -15,11 +16,13 @@ from kazoo.exceptions import (
 )
 from kazoo.protocol.states import EventType
 
+from distlock.backends.zookeeper.options import BUCKETS, FLAT
 from distlock.backends.zookeeper.session import NoAnswer
 from distlock.holder import holder_record, read_holder_record
 
-__all__ = ["READ", "WRITE", "Contender", "NodeGone", "Taken", "ahead_of", "blocker_of", "decode_name",
-           "delete_owned", "encode_name", "foreign_nodes", "holders", "holders_of", "release"]
+__all__ = ["BUCKET_COUNT", "READ", "WRITE", "Contender", "NodeGone", "Taken", "ahead_of", "blocker_of", "bucket_of",
+           "decode_name", "delete_owned", "encode_name", "foreign_nodes", "holders", "holders_of", "parent_path",
+           "read_cursor", "release"]
 
 # -- Znode layout and protocol ---------------------------------------------------------------------
 #
@@ -28,6 +31,15 @@ __all__ = ["READ", "WRITE", "Contender", "NodeGone", "Taken", "ahead_of", "block
 #                                                        kind "write" (lock(), write_lock()) or "read";
 #                                                        data: JSON {"owner", "host", "pid", "task_id"}
 #
+# - Layouts (option LAYOUT). "flat" (the default, and the only one before it): as above. "buckets":
+#   each lock's parent one level down, KEY_PREFIX/bucket=<NNN>/<encoded name>, NNN the CRC-32 of the
+#   encoded name modulo BUCKET_COUNT, zero-padded. A bucket is persistent, made by the first create
+#   that finds it missing, and never deleted. Everything below a lock's parent is the same in both.
+#   Why: ZooKeeper lists a znode's children all at once, so a flat listing of the held locks reads
+#   every lock's name on every page; by bucket, a page reads the buckets it needs ("Listing" below).
+#   "=" is never in an encoded name, so neither layout's znodes can pass for the other's. The two
+#   layouts do not see each other's locks: two processes of one alias with different LAYOUTs can
+#   both hold one lock. ``foreign_nodes()`` reports the other layout's znodes (``distlock check``).
 # - Who holds: a "write" node holds when no node with a lower sequence exists; a "read" node holds
 #   when no *write* node with a lower sequence exists. A waiter watches only the nearest node it waits
 #   for (a writer its predecessor, a reader the nearest earlier writer), so a release wakes one waiter
@@ -104,6 +116,12 @@ __all__ = ["READ", "WRITE", "Contender", "NodeGone", "Taken", "ahead_of", "block
 #   sort first and block the lock forever) is ignored: names by the pattern, persistence by the stat
 #   of the node a contender would wait for or fail on (read once, remembered), and by the holder's
 #   stat in ``holders()``. ``foreign_nodes()`` reports them, for ``distlock check``.
+# - Listing (``holders()``): flat, one request lists every lock's name, sorted in the process; a page
+#   goes on after the name its cursor gives. By bucket, a page lists buckets in order (a few at a
+#   time, pipelined) and goes on after its cursor "<NNN>:<encoded name>" (bucket, last name): pages
+#   follow bucket order, as Redis pages follow SCAN order, and each page is sorted by name. A name
+#   prefix cannot pick buckets: every bucket is listed. Both then read only the page's locks: their
+#   children in one pipelined wave, then their holders' data in another.
 
 WRITE, READ = "write", "read"
 
@@ -114,6 +132,20 @@ _NODE_NAME = re.compile(r"^(?P<owner>[^-]+)-(?P<kind>read|write)-(?P<sequence>\d
 #: How many multis of a try may make nothing (see "Tries" above) before it creates its node
 #: unconditionally, as a waiter does, and lets the listing behind it decide.
 TRY_ROUNDS = 3
+
+
+#: Buckets of the "buckets" layout. Part of the layout: a process with another count would look for a
+#: lock in another bucket, so it is a constant, not an option.
+BUCKET_COUNT = 256
+
+#: A bucket's znode name: "=" is never in an encoded lock name (``encode_name``).
+_BUCKET_NAME = re.compile(r"^bucket=(?P<index>\d{3})$")
+
+#: A cursor of the "buckets" layout: the bucket and the encoded name a page ended on.
+_BUCKET_CURSOR = re.compile(r"^(?P<index>\d{3}):(?P<node>[A-Za-z0-9_~%-]+)$")
+
+#: How many buckets a page lists at once at first; each further round lists twice as many, up to the last.
+_FIRST_BUCKETS, _MOST_BUCKETS = 4, 16
 
 
 def encode_name(name):
@@ -127,6 +159,21 @@ def encode_name(name):
 
 def decode_name(node):
     return unquote(node)
+
+
+def _bucket(index):
+    return f"bucket={index:03d}"
+
+
+def bucket_of(node):
+    """Return the bucket (its znode name) of the encoded lock name ``node`` in the "buckets" layout."""
+    return _bucket(zlib.crc32(node.encode()) % BUCKET_COUNT)
+
+
+def parent_path(root, layout, name):
+    """Return the path of lock ``name``'s parent znode under ``root`` (KEY_PREFIX) in ``layout``."""
+    node = encode_name(name)
+    return f"{root}/{bucket_of(node)}/{node}" if layout == BUCKETS else f"{root}/{node}"
 
 
 class NodeGone(Exception):
@@ -303,9 +350,10 @@ class Contender:
             except NoNodeError:
                 if crowded:
                     session.crowd(self.parent, False)  # a leaver deleted the parent: start over
-                else:  # no KEY_PREFIX yet (first use of this alias)
+                else:  # no KEY_PREFIX, or no bucket, yet (first use of this alias, or of this bucket)
                     with suppress(NodeExistsError):
-                        session.result(client.create_async(session.root, makepath=True), io_deadline)
+                        session.result(client.create_async(self.parent.rsplit("/", 1)[0], makepath=True),
+                                       io_deadline)
 
     def _create(self, client, io_deadline, *, with_parent):
         """Create our node in one multi, with its parent if ``with_parent``; record its path and token.
@@ -337,7 +385,7 @@ class Contender:
                 self._made(committed, io_deadline)
             except (NodeExistsError, BadVersionError, NoNodeError) as exc:
                 if version is None and isinstance(exc, NoNodeError):
-                    raise  # no KEY_PREFIX yet
+                    raise  # no KEY_PREFIX, or no bucket, yet
             else:
                 if version is None:
                     return None
@@ -449,35 +497,104 @@ def release(session, client, path, io_deadline):
 
 def holders(session, client, prefix, io_deadline, *, limit=None, cursor=None):
     """Return the (name, data, stat) of the holders of the locks whose name starts with ``prefix``, by name, and
-    the cursor of the next page: of every such lock, or of the first ``limit`` held after the name ``cursor``.
+    the cursor of the next page: of every such lock, or of the first ``limit`` held after ``cursor``.
 
-    Listing the names takes one request; only the page's locks are read (their children, then their
-    holders' data), ``limit`` names at a time. Persistent children are no holders ("Foreign children" above).
+    Pages as "Listing" above says for the alias's layout. Persistent children are no holders ("Foreign
+    children" above). Raise ``ValueError`` for a cursor no page of this layout gave (``read_cursor``).
     """
+    if session.settings["LAYOUT"] == BUCKETS:
+        return _holders_by_bucket(session, client, prefix, io_deadline, limit, read_cursor(BUCKETS, cursor))
     names = sorted((decode_name(node), node) for node in session.children(client, session.root, io_deadline))
-    names = [(name, node) for name, node in names if name.startswith(prefix) and (cursor is None or name > cursor)]
-    step = len(names) if limit is None else limit
-    found, locks_found = [], 0
-    for start in range(0, len(names), max(step, 1)):
-        listings = [(name, f"{session.root}/{node}", client.get_children_async(f"{session.root}/{node}"))
-                    for name, node in names[start:start + step]]
-        for name, parent, listing in listings:
-            held = _holders_of_lock(session, client, name, parent, listing, io_deadline)
-            found.extend(held)
-            locks_found += bool(held)
-            if limit is not None and locks_found == limit:
-                return found, (name if name != names[-1][0] else None)
+    names = [(name, f"{session.root}/{node}") for name, node in names
+             if name.startswith(prefix) and (cursor is None or name > cursor)]
+    found, more = _held_among(session, client, names, io_deadline, limit)
+    return found, (found[-1][0] if more else None)
+
+
+def read_cursor(layout, cursor):
+    """Return what a page's ``cursor`` stands for in ``layout``: flat, the name; by bucket, (bucket index,
+    encoded name); None for the first page. Raise ``ValueError`` for a cursor no page of ``layout`` gave."""
+    if cursor is None or layout != BUCKETS:
+        return cursor
+    match = _BUCKET_CURSOR.match(cursor)
+    if match is None or int(match["index"]) >= BUCKET_COUNT:
+        raise ValueError(f"cursor {cursor!r} is no page's: a ZooKeeper cursor of LAYOUT {BUCKETS!r} is "
+                         f"\"<bucket below {BUCKET_COUNT}, 3 digits>:<encoded lock name>\"")
+    return int(match["index"]), match["node"]
+
+
+def _holders_by_bucket(session, client, prefix, io_deadline, limit, cursor):
+    """``holders()`` in the "buckets" layout: list the buckets from the cursor's on, a few at a time.
+
+    A bucket's children whose name falls in another bucket are ignored, as the protocol ignores them.
+    """
+    index, after = cursor if cursor is not None else (0, None)
+    found, batch = [], _FIRST_BUCKETS
+    while index < BUCKET_COUNT:
+        listings = [(i, client.get_children_async(f"{session.root}/{_bucket(i)}"))
+                    for i in range(index, min(index + batch, BUCKET_COUNT))]
+        names = []  # (name, parent path, bucket index), in cursor order: by bucket, then by name
+        for i, listing in listings:
+            try:
+                nodes = session.result(listing, io_deadline)
+            except NoNodeError:
+                continue  # no lock has used this bucket yet
+            first = decode_name(after) if after is not None and i == index else None
+            names.extend((name, f"{session.root}/{_bucket(i)}/{node}", i)
+                         for name, node in sorted((decode_name(node), node) for node in nodes
+                                                  if bucket_of(node) == _bucket(i))
+                         if name.startswith(prefix) and (first is None or name > first))
+        page, more = _held_among(session, client, names, io_deadline,
+                                 None if limit is None else limit - len({held[0] for held in found}))
+        found.extend(page)
+        index += len(listings)
+        if limit is not None and len({held[0] for held in found}) == limit:
+            found.sort(key=lambda held: held[0])
+            if not more and index == BUCKET_COUNT:
+                return found, None
+            last = page[-1][0]
+            last_index, last_parent = next((i, parent) for name, parent, i in reversed(names) if name == last)
+            return found, f"{last_index:03d}:{last_parent.rsplit('/', 1)[1]}"
+        after, batch = None, min(batch * 2, _MOST_BUCKETS)
+    found.sort(key=lambda held: held[0])
     return found, None
 
 
-def _holders_of_lock(session, client, name, parent, listing, io_deadline):
-    """Return the (name, data, stat) of the holders of one lock, from its children's pending ``listing``."""
-    try:
-        children = session.result(listing, io_deadline)
-    except NoNodeError:
-        return []
+def _held_among(session, client, names, io_deadline, limit):
+    """Return the holders of the first ``limit`` held locks of ``names`` ((name, parent, ...) in page order),
+    and whether a name is left after the last of them. Reads ``limit`` names at a time (all if None)."""
+    step = max(len(names) if limit is None else limit, 1)
+    found, locks_found = [], 0
+    for start in range(0, len(names), step):
+        chunk = names[start:start + step]
+        for position, held in enumerate(_holders_of_locks(session, client, chunk, io_deadline)):
+            found.extend(held)
+            locks_found += bool(held)
+            if limit is not None and locks_found == limit:
+                return found, start + position + 1 < len(names)
+    return found, False
+
+
+def _holders_of_locks(session, client, names, io_deadline):
+    """Return the holders of each lock of ``names`` ((name, parent, ...)): two pipelined waves of requests,
+    every lock's children, then every holder's data."""
+    listings = [client.get_children_async(entry[1]) for entry in names]
+    children = []
+    for listing in listings:
+        try:
+            children.append(session.result(listing, io_deadline))
+        except NoNodeError:
+            children.append([])
+    reads = [[(child, client.get_async(f"{entry[1]}/{child}")) for child in holders_of(kids)]
+             for entry, kids in zip(names, children)]
+    return [_holders_of_lock(session, client, entry[0], entry[1], kids, lock_reads, io_deadline)
+            for entry, kids, lock_reads in zip(names, children, reads)]
+
+
+def _holders_of_lock(session, client, name, parent, children, reads, io_deadline):
+    """Return the (name, data, stat) of the holders of one lock, from its ``children`` and the pending ``reads``
+    of the holders among them."""
     while True:
-        reads = [(child, client.get_async(f"{parent}/{child}")) for child in holders_of(children)]
         held, foreign = [], set()
         for child, read in reads:
             with suppress(NoNodeError):
@@ -489,11 +606,42 @@ def _holders_of_lock(session, client, name, parent, listing, io_deadline):
         if not foreign:
             return held
         children = [child for child in children if child not in foreign]
+        reads = [(child, client.get_async(f"{parent}/{child}")) for child in holders_of(children)]
 
 
 def foreign_nodes(session, client, io_deadline):
-    """Return a description (its path and why) of every child of a lock's parent that the protocol ignores."""
-    parents = [f"{session.root}/{node}" for node in sorted(session.children(client, session.root, io_deadline))]
+    """Return a description (its path and why) of every znode under KEY_PREFIX that the protocol ignores.
+
+    Those are children of a lock's parent that are not contenders, and the znodes of the other layout
+    ("Layouts" above): locks that processes with another LAYOUT hold without excluding this alias's.
+    """
+    bucketed = session.settings["LAYOUT"] == BUCKETS
+    found, parents, buckets = [], [], []
+    for node in sorted(session.children(client, session.root, io_deadline)):
+        path = f"{session.root}/{node}"
+        if bucketed and _BUCKET_NAME.match(node):
+            buckets.append((node, path, client.get_children_async(path)))
+        elif bucketed:
+            found.append(f"{path}: lock {decode_name(node)!r} of LAYOUT {FLAT!r}, which this alias (LAYOUT "
+                         f"{BUCKETS!r}) does not see: its holders and this alias's exclude nothing of each other; "
+                         "give every process of the alias the same LAYOUT")
+        elif _BUCKET_NAME.match(node):
+            found.append(f"{path}: a bucket of LAYOUT {BUCKETS!r}, whose locks this alias (LAYOUT {FLAT!r}) does "
+                         "not see: their holders and this alias's exclude nothing of each other; give every "
+                         "process of the alias the same LAYOUT")
+        else:
+            parents.append(path)
+    for bucket, path, listing in buckets:
+        try:
+            nodes = session.result(listing, io_deadline)
+        except NoNodeError:
+            continue
+        for node in sorted(nodes):
+            if bucket_of(node) == bucket:
+                parents.append(f"{path}/{node}")
+            else:
+                found.append(f"{path}/{node}: not in the bucket its name falls in ({bucket_of(node)}); the lock "
+                             "protocol ignores it")
     listings = [(parent, client.get_children_async(parent)) for parent in parents]
     stats = []
     for parent, listing in listings:
@@ -503,7 +651,6 @@ def foreign_nodes(session, client, io_deadline):
             continue
         stats.extend((f"{parent}/{child}", _NODE_NAME.match(child) is not None,
                       client.exists_async(f"{parent}/{child}")) for child in sorted(children))
-    found = []
     for path, named, reply in stats:
         stat = session.result(reply, io_deadline)
         if stat is None:
