@@ -35,6 +35,7 @@ from distlock.backends.zookeeper import (
     encode_name,
     holders_of,
 )
+from distlock.backends.zookeeper import reads
 from distlock.backends.zookeeper.protocol import BUCKET_COUNT, Contender, bucket_of
 from distlock.checks import W001, W002, check_distlock_setting
 from distlock.conformance.checker import check
@@ -704,6 +705,63 @@ def test_distlock_check_reports_a_lock_of_the_other_layout(alias, backends, opti
             assert f"{alias}: WARNING {bucket}: a bucket of LAYOUT 'buckets'" in out.getvalue()
     finally:
         zk.delete(bucket, recursive=True)  # buckets stay: other tests' checks would report it
+
+
+def count_requests(monkeypatch, client):
+    """Return a list that gets the type of every request ``client`` sends from now on."""
+    sent, call = [], client._call
+
+    def counted(request, async_object):
+        sent.append(type(request).__name__)
+        return call(request, async_object)
+
+    monkeypatch.setattr(client, "_call", counted)
+    return sent
+
+
+@pytest.mark.parametrize("layout", ["flat", "buckets"])
+def test_a_page_reads_its_locks_in_a_few_requests(backends, options, zk, monkeypatch, lock_name, layout):
+    """The children of a page's locks in one multiRead, their holders' data in another: not two requests a lock."""
+    root = f"{options['KEY_PREFIX']}-requests-{uuid.uuid4().hex[:8]}"
+    backend = backends(KEY_PREFIX=root, LAYOUT=layout)
+    names = [f"{lock_name}:{index:02}" for index in range(30)]
+    try:
+        leases = [backend.acquire(name, ttl=30, timeout=5, blocking=True) for name in names]
+        backend.held_locks(f"{lock_name}:", limit=1)  # the first listing asks whether the ensemble takes multiReads
+        assert backend._session.multi_read is True
+        sent = count_requests(monkeypatch, backend._session.client)
+        page = backend.held_locks(f"{lock_name}:", limit=len(names))
+        assert sorted(info.name for info in page) == names
+        if layout == "flat":
+            assert sent == ["GetChildren", "_MultiRead", "_MultiRead"], "KEY_PREFIX's children, then the page's reads"
+        else:
+            # A prefix lists every bucket: 4, 8, then 16 buckets a multiRead; then the page's reads.
+            assert set(sent) == {"_MultiRead"} and len(sent) <= 2 + (BUCKET_COUNT - 12) // 16 + 3, sent
+        for lease in leases:
+            lease.release()
+    finally:
+        zk.delete(root, recursive=True)
+
+
+def test_an_ensemble_that_refuses_multireads_is_asked_on_a_client_of_its_own(backends, options, zk, monkeypatch,
+                                                                              lock_name):
+    """ZooKeeper drops the connection of a request it does not know (multiRead before 3.6; here an unknown
+    opcode, answered the same way by this server): asked on a spare client, the session's leases never see it,
+    and the listing reads one request at a time."""
+    monkeypatch.setattr(reads._MultiRead, "type", 99)
+    backend = backends()
+    states = []
+    lease = backend.acquire(lock_name, ttl=30, timeout=5, blocking=True)
+    backend._session.client.add_listener(states.append)
+    try:
+        sent = count_requests(monkeypatch, backend._session.client)
+        (info,) = backend.held_locks(lock_name)
+        assert info.owner == lease.owner
+        assert backend._session.multi_read is False and "_MultiRead" not in sent
+        lease.check()
+        assert states == [], "the session's connection was never dropped"
+    finally:
+        lease.release()
 
 
 @pytest.mark.django_db(transaction=True, databases="__all__")

@@ -17,6 +17,7 @@ from kazoo.exceptions import (
 from kazoo.protocol.states import EventType
 
 from distlock.backends.zookeeper.options import BUCKETS, FLAT
+from distlock.backends.zookeeper.reads import children_of, data_of
 from distlock.backends.zookeeper.session import NoAnswer
 from distlock.holder import holder_record, read_holder_record
 
@@ -118,10 +119,11 @@ __all__ = ["BUCKET_COUNT", "READ", "WRITE", "Contender", "NodeGone", "Taken", "a
 #   stat in ``holders()``. ``foreign_nodes()`` reports them, for ``distlock check``.
 # - Listing (``holders()``): flat, one request lists every lock's name, sorted in the process; a page
 #   goes on after the name its cursor gives. By bucket, a page lists buckets in order (a few at a
-#   time, pipelined) and goes on after its cursor "<NNN>:<encoded name>" (bucket, last name): pages
+#   time, in one multiRead) and goes on after its cursor "<NNN>:<encoded name>" (bucket, last name): pages
 #   follow bucket order, as Redis pages follow SCAN order, and each page is sorted by name. A name
 #   prefix cannot pick buckets: every bucket is listed. Both then read only the page's locks: their
-#   children in one pipelined wave, then their holders' data in another.
+#   children, then their holders' data, each in one multiRead (``reads``; pipelined single reads on
+#   an ensemble older than 3.6).
 
 WRITE, READ = "write", "read"
 
@@ -524,40 +526,39 @@ def read_cursor(layout, cursor):
 
 
 def _holders_by_bucket(session, client, prefix, io_deadline, limit, cursor):
-    """``holders()`` in the "buckets" layout: list the buckets from the cursor's on, a few at a time.
+    """``holders()`` in the "buckets" layout: list the buckets from the cursor's on, a few at a time, until
+    they name enough locks for the page, then read those locks.
 
     A bucket's children whose name falls in another bucket are ignored, as the protocol ignores them.
     """
-    index, after = cursor if cursor is not None else (0, None)
-    found, batch = [], _FIRST_BUCKETS
-    while index < BUCKET_COUNT:
-        listings = [(i, client.get_children_async(f"{session.root}/{_bucket(i)}"))
-                    for i in range(index, min(index + batch, BUCKET_COUNT))]
+    first_index, after = cursor if cursor is not None else (0, None)
+    index, batch, found = first_index, _FIRST_BUCKETS, []
+    while True:
+        wanted = None if limit is None else limit - len({held[0] for held in found})
         names = []  # (name, parent path, bucket index), in cursor order: by bucket, then by name
-        for i, listing in listings:
-            try:
-                nodes = session.result(listing, io_deadline)
-            except NoNodeError:
-                continue  # no lock has used this bucket yet
-            first = decode_name(after) if after is not None and i == index else None
-            names.extend((name, f"{session.root}/{_bucket(i)}/{node}", i)
-                         for name, node in sorted((decode_name(node), node) for node in nodes
-                                                  if bucket_of(node) == _bucket(i))
-                         if name.startswith(prefix) and (first is None or name > first))
-        page, more = _held_among(session, client, names, io_deadline,
-                                 None if limit is None else limit - len({held[0] for held in found}))
+        while index < BUCKET_COUNT and (wanted is None or len(names) < wanted):
+            indexes = range(index, min(index + batch, BUCKET_COUNT))
+            listings = children_of(session, client, [f"{session.root}/{_bucket(i)}" for i in indexes], io_deadline)
+            for i, nodes in zip(indexes, listings):
+                if isinstance(nodes, NoNodeError):
+                    continue  # no lock has used this bucket yet
+                first = decode_name(after) if after is not None and i == first_index else None
+                names.extend((name, f"{session.root}/{_bucket(i)}/{node}", i)
+                             for name, node in sorted((decode_name(node), node) for node in nodes
+                                                      if bucket_of(node) == _bucket(i))
+                             if name.startswith(prefix) and (first is None or name > first))
+            index += len(indexes)
+            batch = min(batch * 2, _MOST_BUCKETS)
+        page, more = _held_among(session, client, names, io_deadline, wanted)
         found.extend(page)
-        index += len(listings)
-        if limit is not None and len({held[0] for held in found}) == limit:
-            found.sort(key=lambda held: held[0])
-            if not more and index == BUCKET_COUNT:
-                return found, None
+        if limit is not None and len({held[0] for held in found}) == limit and (more or index < BUCKET_COUNT):
             last = page[-1][0]
             last_index, last_parent = next((i, parent) for name, parent, i in reversed(names) if name == last)
+            found.sort(key=lambda held: held[0])
             return found, f"{last_index:03d}:{last_parent.rsplit('/', 1)[1]}"
-        after, batch = None, min(batch * 2, _MOST_BUCKETS)
-    found.sort(key=lambda held: held[0])
-    return found, None
+        if index == BUCKET_COUNT and not more:
+            found.sort(key=lambda held: held[0])
+            return found, None
 
 
 def _held_among(session, client, names, io_deadline, limit):
@@ -576,37 +577,37 @@ def _held_among(session, client, names, io_deadline, limit):
 
 
 def _holders_of_locks(session, client, names, io_deadline):
-    """Return the holders of each lock of ``names`` ((name, parent, ...)): two pipelined waves of requests,
-    every lock's children, then every holder's data."""
-    listings = [client.get_children_async(entry[1]) for entry in names]
-    children = []
-    for listing in listings:
-        try:
-            children.append(session.result(listing, io_deadline))
-        except NoNodeError:
-            children.append([])
-    reads = [[(child, client.get_async(f"{entry[1]}/{child}")) for child in holders_of(kids)]
-             for entry, kids in zip(names, children)]
-    return [_holders_of_lock(session, client, entry[0], entry[1], kids, lock_reads, io_deadline)
-            for entry, kids, lock_reads in zip(names, children, reads)]
+    """Return the holders of each lock of ``names`` ((name, parent, ...)): every lock's children, then every
+    holder's data, each in as few requests as the ensemble takes (``reads``)."""
+    children = [[] if isinstance(listing, NoNodeError) else listing
+                for listing in children_of(session, client, [entry[1] for entry in names], io_deadline)]
+    wanted = [(index, child) for index, listing in enumerate(children) for child in holders_of(listing)]
+    reads = [[] for _ in names]
+    for (index, child), read in zip(wanted, data_of(session, client, [f"{names[index][1]}/{child}"
+                                                                      for index, child in wanted], io_deadline)):
+        reads[index].append((child, read))
+    return [_holders_of_lock(session, client, entry[0], entry[1], listing, lock_reads, io_deadline)
+            for entry, listing, lock_reads in zip(names, children, reads)]
 
 
 def _holders_of_lock(session, client, name, parent, children, reads, io_deadline):
-    """Return the (name, data, stat) of the holders of one lock, from its ``children`` and the pending ``reads``
-    of the holders among them."""
+    """Return the (name, data, stat) of the holders of one lock, from its ``children`` and the ``reads``
+    ((child, (data, stat) or NoNodeError)) of the holders among them."""
     while True:
         held, foreign = [], set()
         for child, read in reads:
-            with suppress(NoNodeError):
-                data, stat = session.result(read, io_deadline)
-                if stat.ephemeralOwner == 0:
-                    foreign.add(child)
-                else:
-                    held.append((name, data, stat))
+            if isinstance(read, NoNodeError):
+                continue
+            data, stat = read
+            if stat.ephemeralOwner == 0:
+                foreign.add(child)
+            else:
+                held.append((name, data, stat))
         if not foreign:
             return held
         children = [child for child in children if child not in foreign]
-        reads = [(child, client.get_async(f"{parent}/{child}")) for child in holders_of(children)]
+        holding = holders_of(children)
+        reads = list(zip(holding, data_of(session, client, [f"{parent}/{child}" for child in holding], io_deadline)))
 
 
 def foreign_nodes(session, client, io_deadline):

@@ -95,6 +95,8 @@ class Session:
         self.epoch = 0
         #: Lease -> the epoch it was granted in; None once marked lost (``valid_until``).
         self._lease_epochs = weakref.WeakKeyDictionary()
+        #: Whether the ensemble answers multiRead requests (ZooKeeper 3.6 and later): None until ``reads`` asked.
+        self.multi_read = None
         #: Znode paths seen to be ephemeral: the protocol ignores persistent (planted) children.
         self._checked_ephemeral = {}
         #: Deletes a holder's znode when its ttl runs out; an extension moves it, a release cancels it.
@@ -127,6 +129,11 @@ class Session:
                 client.start_async()
                 self.client = client
             return self.client
+
+    def spare_client(self):
+        """Return a kazoo client (not started) for this alias, apart from the session's: for a request whose
+        failure must not touch the session's connection, and with it the leases."""
+        return new_client(self.settings, self._green)
 
     @property
     def timeout(self):
