@@ -277,13 +277,13 @@ def print_table(results):
           f"{FIRST_PAGE_READS}; stream = inventory.each_held(alias), pages of 500; full = held_locks() with no limit; "
           "peak = tracemalloc peak of a second, traced pass (— : not traced, the untraced pass was too long); "
           "seen + : the stream stopped at its time budget")
-    print(f"  {'alias':<14}{'backend':<21}{'thr':>4}{'held':>7}{'fill s':>8}{'locks/s':>8}{'page ms p50':>12}{'max':>7}"
+    print(f"  {'alias':<18}{'backend':<21}{'thr':>4}{'held':>7}{'fill s':>8}{'locks/s':>8}{'page ms p50':>12}{'max':>7}"
           f"{'stream s':>9}{'seen':>8}{'peak MiB':>9}{'full s':>8}{'peak MiB':>9}")
     errors = []
     for alias, label, threads, rows in results:
         for row in rows:
             if "skipped" in row:
-                print(f"  {alias:<14}{label:<21}{threads:>4}{row['size']:>7}  {row['skipped']}")
+                print(f"  {alias:<18}{label:<21}{threads:>4}{row['size']:>7}  {row['skipped']}")
                 continue
             fill = f"{row['fill']:>8.1f}{row['added'] / row['fill'] if row['fill'] else 0:>8.0f}"
             page = (f"{row['page ms'][0]:>12.1f}{row['page ms'][1]:>7.1f}" if "page ms" in row
@@ -298,7 +298,7 @@ def print_table(results):
                 else:
                     word = "not run" if f"{key} skipped" in row else "failed"
                     cells.append(f"{word:>9}{'':>8}{'':>9}" if key == "stream" else f"{word:>8}{'':>9}")
-            print(f"  {alias:<14}{label:<21}{threads:>4}{row['held']:>7}{fill}{page}{''.join(cells)}")
+            print(f"  {alias:<18}{label:<21}{threads:>4}{row['held']:>7}{fill}{page}{''.join(cells)}")
             errors += [(alias, row["held"], key, row[key]) for key in NOTES if key in row]
             if row["held"] < row["size"]:
                 errors.append((alias, row["held"], "fill", f"stopped at {row['held']} of {row['size']} (--fill-by)"))

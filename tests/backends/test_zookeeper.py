@@ -37,7 +37,7 @@ from distlock.backends.zookeeper import (
 )
 from distlock.backends.zookeeper import reads
 from distlock.backends.zookeeper.protocol import BUCKET_COUNT, Contender, bucket_of
-from distlock.checks import W001, W002, check_distlock_setting
+from distlock.checks import E004, W001, W002, check_distlock_setting
 from distlock.conformance.checker import check
 from distlock.handler import locks
 from distlock.signals import lock_lost
@@ -152,6 +152,14 @@ def test_bad_options_are_refused_naming_the_option(option, value):
     options = {"HOSTS": "127.0.0.1:2181", option: value}
     with pytest.raises(ImproperlyConfigured, match=option):
         ZooKeeperBackend.clean_options("zk", options)
+
+
+def test_a_layout_neither_flat_nor_buckets_is_reported_by_the_system_check():
+    config = {**django_settings.DISTLOCK, "zk-layout": {"BACKEND": "distlock.backends.zookeeper.ZooKeeperBackend",
+                                                        "OPTIONS": {"HOSTS": "127.0.0.1:2181", "LAYOUT": "tree"}}}
+    with override_settings(DISTLOCK=config):
+        errors = [(m.id, m.msg) for m in check_distlock_setting() if "zk-layout" in m.msg]
+    assert errors == [(E004, "DISTLOCK['zk-layout']['OPTIONS']['LAYOUT'] must be \"flat\" or \"buckets\", got 'tree'.")]
 
 
 def test_a_session_timeout_beyond_int32_milliseconds_is_refused_with_the_bound():

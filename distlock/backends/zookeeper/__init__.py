@@ -1,6 +1,7 @@
 """ZooKeeper locks (kazoo): ephemeral sequential znodes, the holder's zxid as fencing token, session-aware leases.
 
-- ``protocol``: the znode layout, the queue rules and their invariants, and one contender's turns;
+- ``protocol``: the znode layouts, the queue rules and their invariants, one contender's turns, the listing;
+- ``reads``: many reads in one request (multiRead), for the listing;
 - ``session``: the kazoo client of an alias and process, its connection states, held leases, leftovers;
 - ``connection``: the kazoo client itself (handler, TLS socket, negotiated session timeout);
 - ``options``: the options, the security options (ACLs, credentials, TLS) and their warnings;

@@ -542,10 +542,10 @@ def _holders_by_bucket(session, client, prefix, io_deadline, limit, cursor):
             for i, nodes in zip(indexes, listings):
                 if isinstance(nodes, NoNodeError):
                     continue  # no lock has used this bucket yet
-                first = decode_name(after) if after is not None and i == first_index else None
-                names.extend((name, f"{session.root}/{_bucket(i)}/{node}", i)
+                bucket, first = _bucket(i), decode_name(after) if after is not None and i == first_index else None
+                names.extend((name, f"{session.root}/{bucket}/{node}", i)
                              for name, node in sorted((decode_name(node), node) for node in nodes
-                                                      if bucket_of(node) == _bucket(i))
+                                                      if bucket_of(node) == bucket)
                              if name.startswith(prefix) and (first is None or name > first))
             index += len(indexes)
             batch = min(batch * 2, _MOST_BUCKETS)

@@ -87,21 +87,22 @@ class _MultiRead(namedtuple("_MultiRead", "operations")):
 def children_of(session, client, paths, io_deadline):
     """Return the children of each of ``paths``, in order, or a ``NoNodeError`` where the znode is not
     there; raise any other error a read got."""
-    return _read(session, client, [GetChildren(path, None) for path in paths], io_deadline)
+    return _read(session, client, GetChildren, paths, io_deadline)
 
 
 def data_of(session, client, paths, io_deadline):
     """Return the (data, stat) of each of ``paths``, in order, or a ``NoNodeError``; raise other errors."""
-    return _read(session, client, [GetData(path, None) for path in paths], io_deadline)
+    return _read(session, client, GetData, paths, io_deadline)
 
 
-def _read(session, client, operations, io_deadline):
+def _read(session, client, kind, paths, io_deadline):
+    """Return the results of reads of ``kind`` (``GetChildren`` or ``GetData``) of ``paths``."""
     if session.multi_read is None:
         session.multi_read = _answers_multi_read(session, io_deadline)
     if session.multi_read:
-        return _multi_read(session, client, operations, io_deadline)
-    replies = [(client.get_children_async if isinstance(operation, GetChildren) else client.get_async)(operation.path)
-               for operation in operations]
+        return _multi_read(session, client, kind, paths, io_deadline)
+    send = client.get_children_async if kind is GetChildren else client.get_async
+    replies = [send(path) for path in paths]
     results = []
     for reply in replies:
         try:
@@ -111,22 +112,22 @@ def _read(session, client, operations, io_deadline):
     return results
 
 
-def _multi_read(session, client, operations, io_deadline):
-    """Send ``operations`` as multiReads of at most ``BATCH_BYTES`` each, all at once; return their results."""
+def _multi_read(session, client, kind, paths, io_deadline):
+    """Send the reads as multiReads of at most ``BATCH_BYTES`` each, all at once; return their results."""
+    chroot = client.chroot or ""  # prefixed as kazoo prefixes its own requests' paths
     batches, batch, size = [], [], 0
-    for operation in operations:
-        operation = operation._replace(path=(client.chroot or "") + operation.path)  # as kazoo's own requests
-        batch.append(operation)
-        size += len(operation.path) + 16
+    for path in paths:
+        batch.append(kind(chroot + path, None))
+        size += len(path) + 16
         if size >= BATCH_BYTES:
             batches.append(batch)
             batch, size = [], 0
     if batch:
         batches.append(batch)
     replies = []
-    for operations_of_batch in batches:
+    for operations in batches:
         reply = client.handler.async_result()
-        client._call(_MultiRead(operations_of_batch), reply)
+        client._call(_MultiRead(operations), reply)
         replies.append(reply)
     results = []
     for reply in replies:
