@@ -145,7 +145,8 @@ def _answers_multi_read(session, io_deadline):
     try:
         client.start(timeout=max(io_deadline - time.monotonic(), 0.1))
         reply = client.handler.async_result()
-        client._call(_MultiRead([GetChildren("/", None)]), reply)
+        # KEY_PREFIX may not exist yet: a NoNode inside the reply answers the question as well.
+        client._call(_MultiRead([GetChildren((client.chroot or "") + session.root, None)]), reply)
         reply.get(timeout=max(io_deadline - time.monotonic(), 0.1))
     except (UnimplementedError, _NoMultiRead, ConnectionLoss):
         return False
