@@ -22,6 +22,7 @@ import pytest
 import distlock
 from distlock import metrics
 from distlock.backends.locmem import LocMemBackend
+from distlock.backends import offload
 from distlock.backends.offload import signals_can_raise
 from distlock.handler import locks
 from distlock.renewal import Renewer, renewing
@@ -519,15 +520,23 @@ def test_the_interrupt_probe_catches_threading_event():
     assert any(problem == "the notifier blocked" for _, problem in problems), problems
 
 
-def test_only_a_python_level_handler_other_than_ctrl_c_s_counts_as_a_signal_that_can_raise():
-    saved = signal.getsignal(signal.SIGALRM)
+def test_only_a_python_level_handler_other_than_ctrl_c_s_counts_as_a_signal_that_can_raise(monkeypatch):
+    """Checked on SIGINT and SIGALRM alone: the process running the suite may have set others (nohup ignores SIGINT)."""
+    monkeypatch.setattr(offload, "_SIGNALS", (signal.SIGINT, signal.SIGALRM))
+    saved = {signum: signal.getsignal(signum) for signum in offload._SIGNALS}
+    seen = {}
     try:
-        signal.signal(signal.SIGALRM, signal.SIG_IGN)
-        ignored = signals_can_raise()
-        signal.signal(signal.SIGALRM, lambda signum, frame: None)
-        handled = signals_can_raise()
+        for label, sigint, sigalrm in [
+            ("Ctrl-C's own handler, SIGALRM ignored", signal.default_int_handler, signal.SIG_IGN),
+            ("SIGINT ignored, SIGALRM default", signal.SIG_IGN, signal.SIG_DFL),
+            ("a SIGALRM handler", signal.default_int_handler, lambda signum, frame: None),
+            ("a SIGINT handler of the application's", lambda signum, frame: None, signal.SIG_DFL),
+        ]:
+            signal.signal(signal.SIGINT, sigint)
+            signal.signal(signal.SIGALRM, sigalrm)
+            seen[label] = signals_can_raise()
     finally:
-        signal.signal(signal.SIGALRM, saved)
-    assert (ignored, handled) == (False, True)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # pytest leaves Ctrl-C's own
-    assert not signals_can_raise()
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+    assert seen == {"Ctrl-C's own handler, SIGALRM ignored": False, "SIGINT ignored, SIGALRM default": False,
+                    "a SIGALRM handler": True, "a SIGINT handler of the application's": True}

@@ -72,6 +72,12 @@ TABLE_LOCKED_PAUSE = 0.001
 #: takes nothing writes nothing (its place is refreshed once half its life is gone).
 NEXT_IN_LINE_PAUSE = 0.01
 
+#: ...but a try still takes SQLite's one write slot for a moment, which the application's own writers
+#: need: a waiter's pause is at least this share of the time it has queued, so a long hold is polled a few
+#: times a second (the back-off's 200 ms after 4 s), not a hundred, and its hand-off waits at most that
+#: share of the wait longer.
+QUEUED_PAUSE_SHARE = 0.05
+
 #: What bounds a request, for messages.
 BOUNDED_BY = "REQUEST_TIMEOUT or the caller's timeout"
 
@@ -387,7 +393,11 @@ class DatabaseBackend(BaseLockBackend):
             return None
         if row is None:
             if ahead is not None:
-                attempt.retry_after = (ahead + 1) * NEXT_IN_LINE_PAUSE
+                now = time.monotonic()
+                if attempt.place is None:
+                    attempt.place = now  # when this call first queued
+                attempt.retry_after = max((ahead + 1) * NEXT_IN_LINE_PAUSE,
+                                          (now - attempt.place) * QUEUED_PAUSE_SHARE)
             return None
         token, acquired_at, _expires_at = row
         return Grant(token=token, acquired_at=self._dialect.aware(acquired_at))
