@@ -3,6 +3,7 @@
 import gc
 import io
 import json
+import logging
 import os
 import queue
 import re
@@ -556,17 +557,11 @@ def test_writer_waits_for_readers_and_later_readers_wait_for_the_writer(alias, o
 
 # -- no herd: one watcher per node ---------------------------------------------------------------------
 
-def watches_by_path(hosts):
-    """Return {znode path: number of sessions watching it}, summed over every member (``wchp``)."""
-    counts = {}
-    for address in hosts.split(","):
-        path = None
-        for line in four_letter_word(int(address.rsplit(":", 1)[1]), "wchp").splitlines():
-            if line.startswith("/"):
-                path = line.strip()
-            elif line.strip().startswith("0x") and path:
-                counts[path] = counts.get(path, 0) + 1
-    return counts
+def watched_paths(backend):
+    """Return the znode paths ``backend``'s kazoo client has a watch on (child or data), with repeats."""
+    client = backend._session.client
+    return [path for watchers in (client._child_watchers, client._data_watchers)
+            for path, callbacks in watchers.items() for _ in callbacks]
 
 
 def test_each_waiter_watches_only_its_predecessor(backends, options, zk, lock_name):
@@ -591,10 +586,11 @@ def test_each_waiter_watches_only_its_predecessor(backends, options, zk, lock_na
     assert czxids[0] == holder.token
 
     def one_watcher_each():
-        watches = {path: count for path, count in watches_by_path(options["HOSTS"]).items()
-                   if path.startswith(parent + "/")}
-        return watches == {f"{parent}/{node}": 1 for node in nodes[:-1]}
+        # Child watches (what waiters set) do not show in the servers' ``wchp``: read each client's own.
+        watched = sorted(path for backend in backends_made for path in watched_paths(backend))
+        return watched == sorted(f"{parent}/{node}" for node in nodes[:-1])
 
+    backends_made = [holder_backend, *waiter_backends]
     wait_for(one_watcher_each, 10, "one session watching each node but the last")
     holder.release()
     for thread in threads:
@@ -604,6 +600,172 @@ def test_each_waiter_watches_only_its_predecessor(backends, options, zk, lock_na
     assert all(token > czxid for token, czxid in zip(tokens, czxids[1:])), "a waiter is re-stamped at its grant"
     assert tokens == sorted(tokens) and tokens[0] > czxids[-1], "grant order, after every queued node's czxid"
     assert [lease.attempts for lease in order] == [2] * 4, "each waiter looked once, and once more when woken"
+
+
+def requests_sent(caplog, backend, since):
+    """Return the kazoo requests (type and path) ``backend``'s connection sent since ``since`` (``time.time()``)."""
+    thread = backend._session.client._connection._connection_routine.ident
+    return [(type(record.args[1]).__name__, getattr(record.args[1], "path", None)) for record in caplog.records
+            if record.created >= since and record.thread == thread and record.getMessage().startswith("Sending request")
+            and type(record.args[1]).__name__ != "Ping"]
+
+
+def test_a_hand_off_costs_the_new_holder_its_listing_and_stamp_and_one_request_to_release(
+        backends, options, zk, lock_name, caplog):
+    """The woken waiter lists and re-stamps (both sent at once), a waiter behind it is not woken by that
+    re-stamp (child watches ignore data writes), and a holder that saw a successor releases in one request:
+    it proves someone is left, so it need not list the parent after its delete ("Hand-off" in the protocol)."""
+    caplog.set_level(logging.DEBUG, logger="kazoo.client")
+    parent = f"{options['KEY_PREFIX']}/{encode_name(lock_name)}"
+    holder_backend, first_backend, second_backend = backends(), backends(), backends()
+    holder = holder_backend.acquire(lock_name, ttl=30, timeout=10, blocking=True)
+    granted, released = {}, {}
+
+    def wait_in_line(backend, key):
+        lease = backend.acquire(lock_name, ttl=30, timeout=20, blocking=True)
+        granted[key] = (time.time(), lease)
+        released[key] = lease.release()
+
+    threads = []
+    for backend, key in ((first_backend, "first"), (second_backend, "second")):
+        threads.append(threading.Thread(target=wait_in_line, args=(backend, key)))
+        threads[-1].start()
+        wait_for(lambda: len(our_nodes(zk, options["KEY_PREFIX"], lock_name)) == len(threads) + 1, 10,
+                 "a waiter queueing")
+    nodes = sorted(our_nodes(zk, options["KEY_PREFIX"], lock_name), key=lambda node: node.rsplit("-", 1)[1])
+    wait_for(lambda: watched_paths(second_backend) == [f"{parent}/{nodes[1]}"], 10, "the second waiter watching")
+    start = time.time()
+    holder.release()
+    for thread in threads:
+        thread.join(30)
+    assert released == {"first": True, "second": True}
+    first, second = granted["first"][1], granted["second"][1]
+    assert holder.token < first.token < second.token
+    first_path, second_path = f"{parent}/{nodes[1]}", f"{parent}/{nodes[2]}"
+    assert requests_sent(caplog, first_backend, start) == [
+        ("GetChildren", parent), ("SetData", first_path), ("Transaction", None)], "listing + stamp, then one release"
+    assert requests_sent(caplog, second_backend, start)[:2] == [("GetChildren", parent), ("SetData", second_path)], \
+        "woken once, by the delete: the first waiter's re-stamp wakes nobody"
+    assert our_nodes(zk, options["KEY_PREFIX"], lock_name) is None, "the last one out removed the parent"
+
+
+def test_a_release_whose_successor_left_falls_back_to_a_plain_delete(backends, options, zk, lock_name):
+    """A holder's grant saw a waiter behind it; the waiter gives up before the release: the release's multi
+    (delete ours, check the successor's) fails, nothing is deleted by it, and the plain delete follows,
+    with the listing that removes the emptied parent."""
+    holder_backend, first_backend, second_backend = backends(), backends(), backends()
+    holder = holder_backend.acquire(lock_name, ttl=30, timeout=10, blocking=True)
+    got, gave_up = [], []
+
+    def first_in_line():
+        got.append(first_backend.acquire(lock_name, ttl=30, timeout=20, blocking=True))
+
+    def second_in_line():
+        with pytest.raises(distlock.LockNotAcquired) as info:
+            second_backend.acquire(lock_name, ttl=30, timeout=1, blocking=True)
+        gave_up.append(info.value)
+
+    first_thread = threading.Thread(target=first_in_line)
+    first_thread.start()
+    wait_for(lambda: len(our_nodes(zk, options["KEY_PREFIX"], lock_name)) == 2, 10, "the first waiter queueing")
+    second_thread = threading.Thread(target=second_in_line)
+    second_thread.start()
+    wait_for(lambda: len(our_nodes(zk, options["KEY_PREFIX"], lock_name)) == 3, 10, "the second waiter queueing")
+    holder.release()
+    first_thread.join(20)
+    (lease,) = got
+    successor = first_backend._session._successors.get(lease.handle)
+    assert successor is not None and successor.startswith(lease.handle.rsplit("/", 1)[0] + "/"), \
+        "the grant's listing showed the second waiter"
+    second_thread.join(20)
+    assert gave_up, "the second waiter timed out"
+    wait_for(lambda: len(our_nodes(zk, options["KEY_PREFIX"], lock_name)) == 1, 10, "the second waiter's node going")
+    assert lease.release() is True
+    wait_for(lambda: our_nodes(zk, options["KEY_PREFIX"], lock_name) is None, 10, "the parent going")
+    assert lease.release() is False, "released once only"
+
+
+def test_a_writer_hands_off_to_the_readers_behind_it_each_with_its_own_token(alias, options, zk, lock_name):
+    """Readers queued behind a writer all hold once it releases, each with a token of its own above the
+    writer's (as held_locks shows it), and the writer queued behind them gets a token above theirs."""
+    writer = distlock.acquire(lock_name, ttl=30, using=alias)
+    readers, writers = [], []
+    threads = [threading.Thread(target=lambda: readers.append(
+        distlock.acquire(lock_name, mode="read", ttl=30, timeout=20, using=alias))) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: len(our_nodes(zk, options["KEY_PREFIX"], lock_name)) == 4, 10, "the readers queueing")
+    late_writer = threading.Thread(target=lambda: writers.append(
+        distlock.acquire(lock_name, ttl=30, timeout=20, using=alias)))
+    late_writer.start()
+    wait_for(lambda: len(our_nodes(zk, options["KEY_PREFIX"], lock_name)) == 5, 10, "the late writer queueing")
+    writer.release()
+    for thread in threads:
+        thread.join(20)
+    assert len(readers) == 3 and not writers
+    tokens = sorted(reader.token for reader in readers)
+    assert len(set(tokens)) == 3 and tokens[0] > writer.token
+    held = locks[alias].held_locks(lock_name)
+    assert sorted(info.token for info in held) == tokens
+    for reader in readers:
+        assert reader.release() is True
+    late_writer.join(20)
+    (after,) = writers
+    assert after.token > tokens[-1]
+    assert after.release() is True
+
+
+def test_tokens_order_grants_alias_wide_under_contention(backends, lock_name):
+    """4 sessions x 3 names, contended hand-offs: the conformance checker finds one holder at a time and
+    tokens growing per lock, and across names a grant asked for after another came back has a larger token."""
+    names = [f"{lock_name}:{index}" for index in range(3)]
+    workers = [backends() for _ in range(4)]
+    history, errors, waited = [], [], []
+    history_lock = threading.Lock()
+
+    def note(**event):
+        with history_lock:
+            history.append({"t": time.monotonic_ns(), **event})
+
+    def work(proc, backend):
+        try:
+            for cycle in range(12):
+                name = names[(proc + cycle) % 2 if cycle % 3 else 2]
+                note(proc=proc, op="acquire", phase="invoke", lock=name)
+                lease = backend.acquire(name, ttl=30, timeout=20, blocking=True)
+                note(proc=proc, op="acquire", phase="ok", lock=name, owner=lease.owner, token=lease.token)
+                waited.append(lease.attempts > 1)
+                note(proc=proc, op="cs_enter", lock=name, owner=lease.owner)
+                time.sleep(0.002)
+                note(proc=proc, op="cs_exit", lock=name, owner=lease.owner)
+                note(proc=proc, op="release", phase="invoke", lock=name, owner=lease.owner)
+                released = backend.release(lease)
+                note(proc=proc, op="release", phase="ok", lock=name, owner=lease.owner, released=released)
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=work, args=(proc, backend)) for proc, backend in enumerate(workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert errors == []
+    assert sum(waited) >= 4, "hand-offs happened: grants that waited for a release"
+    verdict = check(history)
+    assert verdict.acquisitions == 48 and verdict.overlaps == 0
+    assert verdict.ok, (verdict.regressions, verdict.duplicate_tokens, verdict.linearizability_violations)
+    oks = [event for event in history if event["op"] == "acquire" and event["phase"] == "ok"]
+    invokes = {}
+    for event in history:
+        if event["op"] == "acquire" and event["phase"] == "invoke":
+            invokes.setdefault(event["proc"], []).append(event["t"])
+    calls = {}
+    for event in oks:
+        calls[(event["proc"], event["t"])] = invokes[event["proc"]].pop(0)
+    late = [(earlier["token"], later["token"]) for earlier in oks for later in oks
+            if earlier["t"] < calls[(later["proc"], later["t"])] and earlier["token"] >= later["token"]]
+    assert late == [], "a grant asked for after another came back carries a larger token, whatever the names"
+    assert len({event["token"] for event in oks}) == len(oks), "no token issued twice on the alias"
 
 
 # -- sessions ---------------------------------------------------------------------------------------

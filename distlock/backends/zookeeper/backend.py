@@ -160,7 +160,7 @@ class ZooKeeperBackend(BaseLockBackend):
 
     def _hold(self, lease, attempt):
         """Register the lease with the session and the ttl timer; False if its session ended since its node was made."""
-        return self._session.hold(lease, attempt.place.epoch)
+        return self._session.hold(lease, attempt.place.epoch, attempt.place.successor)
 
     def _give_back_grant(self, lease, attempt):
         """Leave the node of a grant that is not handed out; the next try queues anew."""
@@ -188,13 +188,13 @@ class ZooKeeperBackend(BaseLockBackend):
     def _release(self, lease):
         path, parent = lease.handle, lease.handle.rsplit("/", 1)[0]
         session = self._session
-        session.forget(path)
+        successor = session.forget(path)
         client = session.client
         if client is None:
             return False
         with self.translate_errors(f"release lock {lease.name!r}"):
             try:
-                return release(session, client, path, session.request_deadline())
+                return release(session, client, path, session.request_deadline(), successor)
             except SessionExpiredError:
                 # The session, and with it our node, is gone; its parent may be left: delete it later.
                 session.add_leftover(parent, None, path)

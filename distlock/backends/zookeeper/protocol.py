@@ -23,7 +23,7 @@ from distlock.holder import holder_record, read_holder_record
 
 __all__ = ["BUCKET_COUNT", "READ", "WRITE", "Contender", "NodeGone", "Taken", "ahead_of", "blocker_of", "bucket_of",
            "decode_name", "delete_owned", "encode_name", "foreign_nodes", "holders", "holders_of", "parent_path",
-           "read_cursor", "release"]
+           "read_cursor", "release", "successor_of"]
 
 # -- Znode layout and protocol ---------------------------------------------------------------------
 #
@@ -197,6 +197,14 @@ def blocker_of(node, children):
     return _nearest_before(mine["kind"], int(mine["sequence"]), children)
 
 
+def successor_of(node, children):
+    """Return the child queued right behind ``node`` (whatever its kind), None if none."""
+    sequence = int(_NODE_NAME.match(node)["sequence"])
+    behind = [(int(m["sequence"]), child) for child in children
+              if (m := _NODE_NAME.match(child)) and int(m["sequence"]) > sequence]
+    return min(behind)[1] if behind else None
+
+
 def ahead_of(kind, children):
     """Return the child a node of ``kind`` queued behind all of ``children`` would wait for; None if none."""
     return _nearest_before(kind, None, children)
@@ -255,6 +263,8 @@ class Contender:
         #: After a turn that did not hold: the path of the node to wait for, and the client that listed it.
         self.blocker = None
         self.client = None
+        #: After a turn that held: the path of the nearest contender queued behind ours in its listing, or None.
+        self.successor = None
 
     @property
     def node(self):
@@ -274,43 +284,52 @@ class Contender:
         our node went, and kazoo's errors as they come.
         """
         self.token_fresh = False
-        self.blocker = None
+        self.blocker = self.successor = None
         client = self.client = self.session.connect(io_deadline)
+        stamp = None
         if self.path is None:
             children = self._enter(client, io_deadline, trying=trying)
             self.epoch = epoch
             if children is None:
                 return True
         else:
-            children = self.session.children(client, self.parent, io_deadline)
-        blocker, children = self._live_blocker(client, children, io_deadline)
+            # Woken (or back after a connection loss): the stamp goes right behind the listing, before
+            # knowing whether we hold ("Hand-off" above).
+            listing = client.get_children_async(self.parent)
+            stamp = client.set_async(self.path, self.data)
+            try:
+                children = self.session.result(listing, io_deadline)
+            except NoNodeError:
+                children = []
+        blocker, children = self._live_blocker(children)
         if len(children) > 1:
             self.session.crowd(self.parent)
         if blocker is not None:
             self.blocker = f"{self.parent}/{blocker}"
             return False
+        successor = successor_of(self.node, children)
+        self.successor = successor and f"{self.parent}/{successor}"
         if not self.token_fresh:
-            self._restamp(client, io_deadline)
+            self._restamp(client, io_deadline, stamp)
         return True
 
     def wait(self, remaining, io_deadline, job):
-        """Sleep until ``blocker`` goes, the connection changes state, ``job`` is cancelled, or ``remaining`` passes."""
+        """Sleep until ``blocker`` goes, the connection changes state, ``job`` is cancelled, or ``remaining`` passes.
+
+        The watch is a child watch on the blocker: it fires when the node is deleted, never for a
+        write to its data (a holder's re-stamp), so a re-stamp wakes nobody and costs no re-arm. The
+        same request returns the blocker's stat: a persistent blocker is no contender ("Foreign
+        children" above): noted, and the next turn passes it by.
+        """
         client, path, wake = self.client, self.blocker, threading.Event()
-
-        def watch(event):
-            # A holder that queued re-stamps its node (set_data) at its grant: that is no release.
-            # Watches fire once, so re-arm; a node gone meanwhile (None, or an error) wakes us.
-            if event.type == EventType.CHANGED:
-                client.exists_async(path, watch=watch).rawlink(
-                    lambda reply: None if reply.successful() and reply.value is not None else wake.set())
-            else:
-                wake.set()
-
         with self.session.waiting(wake):
             job.wake = wake
             try:
-                self.session.result(client.get_async(path, watch=watch), io_deadline)
-                if not job.cancelled:
+                _, stat = self.session.result(
+                    client.get_children_async(path, watch=lambda event: wake.set(), include_data=True), io_deadline)
+                if stat.ephemeralOwner == 0:
+                    self.session.note_persistent(path)
+                elif not job.cancelled:
                     wake.wait(remaining)
             except NoNodeError:
                 return
@@ -436,10 +455,13 @@ class Contender:
         # czxid) and released in between, so "first in the listing" alone would hand us a lower token.
         self.token_fresh = stamped.numChildren == 1
 
-    def _restamp(self, client, io_deadline):
-        """Give a holder that queued a token of its grant: the mzxid of a write to its own node."""
+    def _restamp(self, client, io_deadline, stamp=None):
+        """Give a holder that queued a token of its grant: the mzxid of a write to its own node.
+
+        ``stamp``: that write's reply, if it was sent behind the listing that showed the grant.
+        """
         try:
-            stat = self.session.result(client.set_async(self.path, self.data), io_deadline)
+            stat = self.session.result(stamp or client.set_async(self.path, self.data), io_deadline)
         except NoNodeError:
             raise NodeGone(self.path) from None
         self.token = stat.mzxid
@@ -452,15 +474,16 @@ class Contender:
         if isinstance(made_node, str):
             self.session.send_leave(made_node)
 
-    def _live_blocker(self, client, children, io_deadline):
+    def _live_blocker(self, children):
         """Return the child we wait for (None: we hold) and the listing without foreign nodes.
 
-        A persistent child is no contender ("Foreign children" above): it is dropped and the rules applied
-        again. Raise ``NodeGone`` as ``blocker_of``.
+        A child known to be persistent is no contender ("Foreign children" above): it is dropped and
+        the rules applied again. One not known yet is found out by ``wait()``, which reads its stat
+        in the request that watches it. Raise ``NodeGone`` as ``blocker_of``.
         """
         while True:
             blocker = blocker_of(self.node, children)
-            if blocker is None or self.session.is_ephemeral(client, f"{self.parent}/{blocker}", io_deadline):
+            if blocker is None or not self.session.is_persistent(f"{self.parent}/{blocker}"):
                 return blocker, children
             children = [child for child in children if child != blocker]
 
@@ -475,10 +498,24 @@ class Contender:
 
 # -- The other requests of the protocol: release, listing, compare-and-delete -----------------------
 
-def release(session, client, path, io_deadline):
-    """Delete the held node ``path`` ("Release" above); return False if it was gone already."""
+def release(session, client, path, io_deadline, successor=None):
+    """Delete the held node ``path`` ("Release" above); return False if it was gone already.
+
+    ``successor``: the path of a contender the grant's listing showed queued behind ours, if any.
+    """
     parent = path.rsplit("/", 1)[0]
-    if not session.is_crowded(parent):
+    if successor is not None:
+        transaction = client.transaction()
+        transaction.delete(path)
+        transaction.check(successor, -1)
+        deleted_node, checked = session.result(transaction.commit_async(), io_deadline)
+        if checked is True:
+            return True  # someone is left behind us: the parent stays, nothing to list
+        if isinstance(deleted_node, NoNodeError):
+            return False
+        if not isinstance(checked, NoNodeError):
+            raise checked if isinstance(deleted_node, RolledBackError) else deleted_node
+    elif not session.is_crowded(parent):
         transaction = client.transaction()
         transaction.delete(path)
         transaction.delete(parent)

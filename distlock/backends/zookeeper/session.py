@@ -88,6 +88,7 @@ class Session:
         #: Guards the state below, and orders lease suspension and registration against state changes.
         self._lock = threading.Lock()
         self._held = weakref.WeakValueDictionary()  # node path -> Lease
+        self._successors = {}  # node path of a held lease -> a contender queued behind it when granted
         self._waiters = set()  # Events of threads waiting for a predecessor, woken on state changes
         self._leftovers = set()  # (parent, prefix, path or None): nodes to delete once connected again
         self._crowded_parents = {}  # parents recently seen with other contenders, oldest first
@@ -99,6 +100,8 @@ class Session:
         self.multi_read = None
         #: Znode paths seen to be ephemeral: the protocol ignores persistent (planted) children.
         self._checked_ephemeral = {}
+        #: Znode paths seen to be persistent: planted among the contenders, ignored by the protocol.
+        self._persistent = {}
         #: Deletes a holder's znode when its ttl runs out; an extension moves it, a release cancels it.
         self.expiry = DeadlineTimer(self._expire, name=f"distlock-zk-expiry:{alias}")
         self._states = None
@@ -157,6 +160,7 @@ class Session:
         self._connected = threading.Event()
         self.epoch += 1
         self._held = weakref.WeakValueDictionary()
+        self._successors = {}
         self._waiters, self._leftovers, self._crowded_parents = set(), set(), {}
         if client is None:
             return
@@ -183,6 +187,7 @@ class Session:
         with self._lock:
             leases = list(self._held.values())
             self._held.clear()
+            self._successors.clear()
             self._leftovers.clear()
             self.mark_dead(leases)
         for lease in leases:
@@ -199,12 +204,17 @@ class Session:
 
     # -- leases ----------------------------------------------------------------------------------
 
-    def hold(self, lease, epoch):
-        """Register a granted lease for state changes and ttl expiry; False if its session ended since ``epoch``."""
+    def hold(self, lease, epoch, successor=None):
+        """Register a granted lease for state changes and ttl expiry; False if its session ended since ``epoch``.
+
+        ``successor``: the contender queued behind it in the grant's listing, for ``forget()`` to return.
+        """
         with self._lock:
             if epoch != self.epoch:
                 return False
             self._held[lease.handle] = lease
+            if successor is not None:
+                self._successors[lease.handle] = successor
             self._lease_epochs[lease] = epoch
             if not self._connected.is_set():
                 lease.mark_suspended(True)
@@ -233,10 +243,12 @@ class Session:
         return answered + (connection.negotiated_timeout or self.settings["SESSION_TIMEOUT"])
 
     def forget(self, path):
-        """Stop following the lease of ``path`` (released, or gone)."""
+        """Stop following the lease of ``path`` (released, or gone); return the successor ``hold()`` noted, or None."""
         with self._lock:
             self._held.pop(path, None)
+            successor = self._successors.pop(path, None)
         self.expiry.cancel(path)
+        return successor
 
     def mark_dead(self, leases):
         """Make every one of ``leases`` fail ``check()`` at once, before any ``lock_lost`` is sent."""
@@ -256,6 +268,7 @@ class Session:
         """Expiry timer callback: the lease's ttl ran out, its holder did not extend it."""
         with self._lock:
             self._held.pop(path, None)
+            self._successors.pop(path, None)
         self.send_leave(path)
 
     # -- requests --------------------------------------------------------------------------------
@@ -298,17 +311,32 @@ class Session:
         """Return False if ``path`` is a persistent node (or gone), True if ephemeral; remembered once seen."""
         if path in self._checked_ephemeral:
             return True
+        if path in self._persistent:
+            return False
         stat = self.result(client.exists_async(path), io_deadline)
         if stat is None:
             return False  # gone meanwhile: not in the way any more
         if stat.ephemeralOwner == 0:
-            logger.warning("Ignoring %s: a persistent node among the lock's contenders (see distlock check).", path)
+            self.note_persistent(path)
             return False
         self._checked_ephemeral[path] = True
         if len(self._checked_ephemeral) > CHECKED_NODES:
             with suppress(StopIteration, KeyError, RuntimeError):
                 del self._checked_ephemeral[next(iter(self._checked_ephemeral))]
         return True
+
+    def is_persistent(self, path):
+        """True if ``path`` was seen to be a persistent node (``note_persistent``); no I/O."""
+        return path in self._persistent
+
+    def note_persistent(self, path):
+        """Remember that ``path`` is a persistent node among a lock's contenders: the protocol ignores it."""
+        if path not in self._persistent:
+            logger.warning("Ignoring %s: a persistent node among the lock's contenders (see distlock check).", path)
+        self._persistent[path] = True
+        if len(self._persistent) > CHECKED_NODES:
+            with suppress(StopIteration, KeyError, RuntimeError):
+                del self._persistent[next(iter(self._persistent))]
 
     @contextmanager
     def waiting(self, wake):
@@ -411,6 +439,7 @@ class Session:
         with self._lock:
             leases = list(self._held.values())
             self._held.clear()
+            self._successors.clear()
             self.mark_dead(leases)
             # If the session survives after all, its nodes must not block others: delete them on reconnect.
             self._leftovers.update((lease.handle.rsplit("/", 1)[0], None, lease.handle) for lease in leases)
