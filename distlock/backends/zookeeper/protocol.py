@@ -44,14 +44,35 @@ __all__ = ["BUCKET_COUNT", "READ", "WRITE", "Contender", "NodeGone", "Taken", "a
 # - Who holds: a "write" node holds when no node with a lower sequence exists; a "read" node holds
 #   when no *write* node with a lower sequence exists. A waiter watches only the nearest node it waits
 #   for (a writer its predecessor, a reader the nearest earlier writer), so a release wakes one waiter
-#   instead of the herd.
+#   instead of the herd. The watch is a child watch: ZooKeeper fires it when the node is deleted, never
+#   for a write to its data (a re-stamp, below), and the request that sets it returns the node's stat,
+#   which tells a planted persistent node ("Foreign children") from a contender at no extra request.
 # - Fencing token: the zxid (ensemble-wide transaction id) of the holder node at its grant: its czxid
 #   when our node was the parent's only child at that zxid, else the mzxid of a set_data on our own
-#   node, sent once it finds it holds. A waiter's czxid dates from when it queued, older than tokens
-#   other names were granted meanwhile; and a node first in the listing read behind its create may
-#   still have had a predecessor at its czxid, granted a larger (re-stamped) token and gone in between.
-#   Re-stamping makes every token larger than every token granted before it, for any name of the
-#   ensemble, as the foundation contract promises. Uncontended: no extra request.
+#   node (the re-stamp), sent behind a listing that shows it holds. A waiter's czxid dates from when it
+#   queued, older than tokens other names were granted meanwhile; and a node first in the listing read
+#   behind its create may still have had a predecessor at its czxid, granted a larger (re-stamped)
+#   token and gone in between. Re-stamping makes every token larger than every token granted before
+#   it, for any name of the ensemble, as the foundation contract promises. Uncontended: no extra request.
+#   Invariant: a token is a zxid at which its node holds (the czxid of a node alone, or a write to the
+#   node that succeeded after a listing showed it holds: a holder holds until its node is deleted).
+#   So, per name, a holder's token is below the delete that ends its hold, hence below the next
+#   holder's; and alias-wide, a grant acknowledged before another holder's grant (the delete of its
+#   last blocker) carries a smaller token.
+# - Hand-off: the woken waiter sends its listing and, right behind it, the re-stamp, before knowing
+#   whether it holds: one round trip instead of two. ZooKeeper answers a session's requests in order,
+#   so the write commits after the state the listing was read from; if the listing shows we hold, we
+#   still hold at the write's zxid (it succeeded, so our node was there), and its mzxid is the token,
+#   as for a re-stamp sent after the reply. If the listing shows we wait, the write changed only our
+#   own node's data (same bytes), which no watch of ours fires on and no token was taken from. A holder
+#   whose grant listing showed a contender behind it releases with multi[delete our node, check that
+#   node]: committed, it proves the parent is not empty, so no listing follows the delete; if that node
+#   went meanwhile, nothing was deleted and the release falls back to the delete alone, with its listing.
+#   Why the releaser does not stamp its successor instead (multi[delete ours, set_data theirs], one write
+#   less per hand-off): set_data replaces the data, the successor's holder record, which the releaser
+#   has not read; reading it puts a read on the hand-off path, the cost the stamp was to save. A token
+#   taken from a stat read anyway (the parent's pzxid behind the listing) needs no write at all, but
+#   nothing on the holder's node would then show it: held_locks() could not report the lease's token.
 # - Every write, even one that fails, is a transaction through the quorum, so each step below costs
 #   one transaction; reads sent right behind it on the same session (ZooKeeper answers a session's
 #   requests in order) add no round trip.
