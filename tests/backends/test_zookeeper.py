@@ -37,7 +37,7 @@ from distlock.backends.zookeeper import (
     holders_of,
 )
 from distlock.backends.zookeeper import reads
-from distlock.backends.zookeeper.protocol import BUCKET_COUNT, Contender, bucket_of
+from distlock.backends.zookeeper.protocol import BUCKET_COUNT, Contender, bucket_of, successor_of
 from distlock.checks import E004, W001, W002, check_distlock_setting
 from distlock.conformance.checker import check
 from distlock.handler import locks
@@ -142,6 +142,9 @@ def test_queue_rules():
     # A try looks at what a node queued behind every child would wait for.
     assert ahead_of(WRITE, children) == r5 and ahead_of(READ, children) == w4
     assert ahead_of(READ, [r3, r2, "not-ours"]) is None and ahead_of(WRITE, ["not-ours"]) is None
+    # A holder's release checks the contender right behind it, whatever its kind.
+    assert successor_of(w1, children) == r2 and successor_of(w4, children) == r5
+    assert successor_of(r5, children) is None and successor_of(w1, [w1, "not-ours", w4]) == w4
 
 
 @pytest.mark.parametrize(("option", "value"), [

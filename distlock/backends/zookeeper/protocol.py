@@ -14,7 +14,6 @@ from kazoo.exceptions import (
     RolledBackError,
     RuntimeInconsistency,
 )
-from kazoo.protocol.states import EventType
 
 from distlock.backends.zookeeper.options import BUCKETS, FLAT
 from distlock.backends.zookeeper.reads import children_of, data_of
@@ -83,7 +82,9 @@ __all__ = ["BUCKET_COUNT", "READ", "WRITE", "Contender", "NodeGone", "Taken", "a
 #   was recently crowded: create our node alone (same multi without the parent), with a listing sent
 #   behind it. NoNode means a leaver just deleted the parent: start over.
 # - Release, alone since acquiring: multi[delete our node, delete parent]. NotEmpty (someone queued
-#   meanwhile) rolls it back; then, and when the name is crowded, delete our node alone.
+#   meanwhile) rolls it back; then, and when the name is crowded, delete our node alone. A holder
+#   whose grant listing showed a contender behind it sends multi[delete our node, check theirs]
+#   instead ("Hand-off" above); NoNode on theirs rolls it back, and our node is deleted alone.
 # - Whoever deletes its node alone (release, ttl expiry, a non-blocking miss, a timed-out or cancelled
 #   wait) lists the parent right behind the delete and deletes it if empty: the last one out removes
 #   the parent, so no empty znode is left behind. A delete racing a create fails harmlessly (NotEmpty),
