@@ -649,7 +649,42 @@ def test_a_hand_off_costs_the_new_holder_its_listing_and_stamp_and_one_request_t
         ("GetChildren", parent), ("SetData", first_path), ("Transaction", None)], "listing + stamp, then one release"
     assert requests_sent(caplog, second_backend, start)[:2] == [("GetChildren", parent), ("SetData", second_path)], \
         "woken once, by the delete: the first waiter's re-stamp wakes nobody"
-    assert our_nodes(zk, options["KEY_PREFIX"], lock_name) is None, "the last one out removed the parent"
+    wait_for(lambda: our_nodes(zk, options["KEY_PREFIX"], lock_name) is None, 10, "the last one out removing the parent")
+
+
+def test_a_waiter_woken_before_its_turn_takes_no_token_from_the_stamp_it_sent(backends, options, zk, lock_name):
+    """The woken waiter's stamp goes out before its listing answers ("Hand-off" in the protocol). Woken by a
+    waiter ahead of it that gave up, it finds the holder still there: that stamp wrote its own node, and
+    nothing was granted. Its grant, later, takes a stamp sent after the holder's delete: above every token
+    granted meanwhile, on any name, and the one ``held_locks()`` shows."""
+    parent = f"{options['KEY_PREFIX']}/{encode_name(lock_name)}"
+    holder_backend, quitter_backend, waiter_backend = backends(), backends(), backends()
+    holder = holder_backend.acquire(lock_name, ttl=30, timeout=10, blocking=True)
+    got = []
+    quitter = threading.Thread(target=lambda: pytest.raises(
+        distlock.LockNotAcquired, quitter_backend.acquire, lock_name, ttl=30, timeout=1, blocking=True))
+    quitter.start()
+    wait_for(lambda: len(our_nodes(zk, options["KEY_PREFIX"], lock_name)) == 2, 10, "the quitter queueing")
+    waiter = threading.Thread(target=lambda: got.append(
+        waiter_backend.acquire(lock_name, ttl=30, timeout=20, blocking=True)))
+    waiter.start()
+    wait_for(lambda: len(our_nodes(zk, options["KEY_PREFIX"], lock_name)) == 3, 10, "the waiter queueing")
+    node = sorted(our_nodes(zk, options["KEY_PREFIX"], lock_name), key=lambda child: child.rsplit("-", 1)[1])[-1]
+    quitter.join(20)
+    holder_path = f"{parent}/{holder.handle.rsplit('/', 1)[1]}"
+    wait_for(lambda: watched_paths(waiter_backend) == [holder_path], 10, "the waiter watching the holder")
+    zk.sync(parent)
+    woken = zk.get(f"{parent}/{node}")[1]
+    assert woken.version == 1 and not got, "stamped once on waking, and still waiting"
+    other = holder_backend.acquire(f"{lock_name}:other", ttl=10, timeout=10, blocking=True)
+    assert other.release() is True
+    holder.release()
+    waiter.join(20)
+    (lease,) = got
+    assert lease.token > other.token > woken.mzxid > holder.token
+    (info,) = waiter_backend.held_locks(lock_name)
+    assert info.token == lease.token == zk.exists(f"{parent}/{node}").mzxid
+    assert lease.release() is True
 
 
 def test_a_release_whose_successor_left_falls_back_to_a_plain_delete(backends, options, zk, lock_name):
