@@ -1,6 +1,6 @@
 """Distributed locks for Django with fencing tokens, on the backend named in ``settings.DISTLOCK``."""
 
-from distlock.api import acquire, lock, lock_many, read_lock, write_lock
+from distlock.api import aacquire, acquire, alock, lock, lock_many, read_lock, write_lock
 from distlock.exceptions import (
     BackendUnavailable,
     InvalidLockBackendError,
@@ -35,7 +35,9 @@ __all__ = [
     "StaleFencingToken",
     "TokenRegression",
     "UnsafeFencingToken",
+    "aacquire",
     "acquire",
+    "alock",
     "lock",
     "lock_many",
     "locks",

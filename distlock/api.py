@@ -1,11 +1,15 @@
-"""The public entry points: ``acquire()``, ``lock()``, ``lock_many()``, ``read_lock()`` and ``write_lock()``."""
+"""The public entry points: ``acquire()``, ``lock()``, ``lock_many()``, ``read_lock()``, ``write_lock()``, and for
+asyncio ``aacquire()`` and ``alock()``."""
 
+import asyncio
 import contextlib
 import functools
+import inspect
 import logging
 import time
 
 from distlock import hierarchy, metrics, reentrancy
+from distlock.backends import offload
 from distlock.conf import DEFAULT_ALIAS
 from distlock.exceptions import BackendUnavailable, LockNotAcquired
 from distlock.handler import locks
@@ -13,7 +17,7 @@ from distlock.lease import LeaseSet
 from distlock.signals import lock_acquired, send_robustly
 from distlock.validation import validate_alias, validate_flag, validate_name, validate_seconds
 
-__all__ = ["acquire", "lock", "lock_many", "read_lock", "write_lock"]
+__all__ = ["aacquire", "acquire", "alock", "lock", "lock_many", "read_lock", "write_lock"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,36 +39,15 @@ def acquire(name, ttl=None, timeout=None, blocking=True, using=DEFAULT_ALIAS, au
 
     There is no ``reentrant`` argument here (``lock(..., reentrant=True)`` has it): each call goes to the server.
     """
-    name = validate_name(name)
-    _validate_options(ttl, timeout, blocking, using, auto_renew, max_hold)
-    ranked = hierarchy.prefixes()
-    if ranked:
-        hierarchy.check_order((name,), ranked)
-    backend = locks[using]
-    settings = backend.settings
-    ttl = settings["DEFAULT_TTL"] if ttl is None else ttl
-    auto_renew = settings["AUTO_RENEW"] if auto_renew is None else auto_renew
-    max_hold = settings["MAX_HOLD"] if max_hold is None else max_hold
-    if max_hold is not None and not auto_renew:
-        ttl = min(ttl, max_hold)
-    if timeout == 0:
-        blocking = False
-    if not blocking:
-        timeout = 0
-
+    name, ranked, backend, options = _prepare(name, ttl, timeout, blocking, using, auto_renew, max_hold)
     started = time.monotonic()
     try:
         if mode is None:
-            lease = backend.acquire(name, ttl=ttl, timeout=timeout, blocking=blocking, auto_renew=auto_renew,
-                                    max_hold=max_hold)
+            lease = backend.acquire(name, **options)
         else:
-            lease = backend.acquire_shared(name, mode, ttl=ttl, timeout=timeout, blocking=blocking,
-                                           auto_renew=auto_renew, max_hold=max_hold)
-    except LockNotAcquired:
-        metrics.record_acquire(using, name, ttl, time.monotonic() - started, "timeout" if blocking else "busy")
-        raise
-    except BackendUnavailable:
-        metrics.record_acquire(using, name, ttl, time.monotonic() - started, "unavailable")
+            lease = backend.acquire_shared(name, mode, **options)
+    except (LockNotAcquired, BackendUnavailable) as exc:
+        _record_failure(using, name, options, started, exc)
         raise
     # The lock is ours on the server from here. Nothing below may leak it: whatever raises, including
     # a BaseException that arrives between any two lines (Celery's SoftTimeLimitExceeded from a signal
@@ -82,7 +65,7 @@ def acquire(name, ttl=None, timeout=None, blocking=True, using=DEFAULT_ALIAS, au
     # nothing renews the lock and the server frees it at its ttl, or with the session.
     announced = False
     try:
-        metrics.record_acquire(using, name, ttl, time.monotonic() - started, "acquired", lease)
+        metrics.record_acquire(using, name, options["ttl"], time.monotonic() - started, "acquired", lease)
         announced = True
         send_robustly(lock_acquired, "lock_acquired", sender=type(backend), alias=using, lease=lease)
         if lease.renewer is not None:
@@ -93,6 +76,35 @@ def acquire(name, ttl=None, timeout=None, blocking=True, using=DEFAULT_ALIAS, au
         _give_back(lease, announced)
         raise
     return lease
+
+
+def _prepare(name, ttl, timeout, blocking, using, auto_renew, max_hold):
+    """Check the arguments of an acquisition before any I/O; return the name, the hierarchy, the backend and
+    the backend's keyword arguments, defaults filled in."""
+    name = validate_name(name)
+    _validate_options(ttl, timeout, blocking, using, auto_renew, max_hold)
+    ranked = hierarchy.prefixes()
+    if ranked:
+        hierarchy.check_order((name,), ranked)
+    backend = locks[using]
+    settings = backend.settings
+    ttl = settings["DEFAULT_TTL"] if ttl is None else ttl
+    auto_renew = settings["AUTO_RENEW"] if auto_renew is None else auto_renew
+    max_hold = settings["MAX_HOLD"] if max_hold is None else max_hold
+    if max_hold is not None and not auto_renew:
+        ttl = min(ttl, max_hold)
+    if timeout == 0:
+        blocking = False
+    if not blocking:
+        timeout = 0
+    return name, ranked, backend, dict(ttl=ttl, timeout=timeout, blocking=blocking, auto_renew=auto_renew,
+                                       max_hold=max_hold)
+
+
+def _record_failure(using, name, options, started, exc):
+    outcome = ("unavailable" if isinstance(exc, BackendUnavailable)
+               else "timeout" if options["blocking"] else "busy")
+    metrics.record_acquire(using, name, options["ttl"], time.monotonic() - started, outcome)
 
 
 def _validate_options(ttl, timeout, blocking, using, auto_renew, max_hold):
@@ -120,6 +132,54 @@ def _give_back(lease, announced):
             "Could not give back lock %r (alias %r, token %s), acquired by a call that failed; "
             "nothing renews it, so the server frees it when its ttl or session ends.",
             lease.name, lease.alias, lease.token)
+
+
+async def aacquire(name, ttl=None, timeout=None, blocking=True, using=DEFAULT_ALIAS, auto_renew=None, max_hold=None,
+                   *, mode=None):
+    """Acquire lock ``name`` from a coroutine and return its ``Lease``: ``lease = await distlock.aacquire(...)``.
+
+    The arguments, defaults and exceptions of ``acquire()``. Each server call runs on a worker thread
+    and each wait between tries is the event loop's: a waiting coroutine blocks neither the loop nor
+    a thread (see "asyncio" in the README). Cancelled (``asyncio.CancelledError``, a timeout around
+    it, a client that disconnected), it leaves nothing held on the server: a try in flight runs to
+    its end and what it was granted is released, and the attempt's place in a server-side queue is
+    withdrawn, before the ``CancelledError`` propagates.
+    """
+    name, ranked, backend, options = _prepare(name, ttl, timeout, blocking, using, auto_renew, max_hold)
+    started = time.monotonic()
+    try:
+        if mode is None:
+            lease = await backend.aacquire(name, **options)
+        else:
+            lease = await backend.aacquire_shared(name, mode, **options)
+    except (LockNotAcquired, BackendUnavailable) as exc:
+        _record_failure(using, name, options, started, exc)
+        raise
+    # As in ``acquire()``, nothing below may leak the lock. The ``lock_acquired`` receivers may use
+    # the ORM, which Django refuses on an event loop: they run on a worker thread too.
+    announcing = offload.submit(_announce, backend, using, name, options["ttl"], started, lease)
+    try:
+        await asyncio.wrap_future(announcing)
+        if lease.renewer is not None:
+            lease.renewer.start()
+        if ranked:
+            hierarchy.hold(lease, ranked)
+    except BaseException:
+        await offload.finish(offload.submit(_give_back_announced, lease, announcing))
+        raise
+    return lease
+
+
+def _announce(backend, using, name, ttl, started, lease):
+    """Worker: record and signal the acquisition of ``lease`` (``acquire()`` does the same inline)."""
+    metrics.record_acquire(using, name, ttl, time.monotonic() - started, "acquired", lease)
+    send_robustly(lock_acquired, "lock_acquired", sender=type(backend), alias=using, lease=lease)
+
+
+def _give_back_announced(lease, announcing):
+    """Worker: give back ``lease`` once ``announcing`` (its ``_announce``, maybe never started) has ended."""
+    announced = not announcing.cancelled() and announcing.exception() is None
+    _give_back(lease, announced)
 
 
 class lock:  # noqa: N801 - used like a function: ``with lock(...)`` and ``@lock(...)``
@@ -271,6 +331,112 @@ def _exit_reentrant(found):
         return
     try:
         lease.release()
+    finally:
+        reentrancy.forget(lease)
+
+
+class alock:  # noqa: N801 - used like a function: ``async with alock(...)`` and ``@alock(...)``
+    """Hold lock ``name`` for an ``async with`` block or for each call of a decorated ``async def``.
+
+    .. code-block:: python
+
+        async with distlock.alock("report:42", ttl=30, timeout=10) as lease:
+            ...  # await lease.acheck() before each write the lock protects
+
+        @distlock.alock("nightly-import", timeout=0)
+        async def nightly_import(): ...
+
+    The arguments, defaults and exceptions of ``lock()``, ``reentrant`` included (the runner that
+    re-enters is the asyncio task); it acquires with ``aacquire()`` and releases with
+    ``Lease.arelease()``, whatever the outcome of the block, a cancellation included. One ``alock``
+    object may serve many tasks at once (a module-level one, a decorator): each task's blocks find
+    their own leases.
+    """
+
+    def __init__(self, name, ttl=None, timeout=None, blocking=True, using=DEFAULT_ALIAS, auto_renew=None,
+                 max_hold=None, *, reentrant=False):
+        # Validate at construction too, so a bad decorator argument fails at import, not at the first call.
+        name = validate_name(name)
+        self._reentrant = validate_flag("reentrant", reentrant)
+        self._kwargs = dict(name=name, ttl=ttl, timeout=timeout, blocking=blocking, using=using,
+                            auto_renew=auto_renew, max_hold=max_hold)
+        #: The leases of the blocks in progress, per task, innermost last.
+        self._leases = {}
+
+    async def __aenter__(self):
+        if self._reentrant:
+            lease = await _aenter_reentrant(self._kwargs)
+        else:
+            lease = await aacquire(**self._kwargs)
+        # No await from here on: a cancellation cannot land before the block owns the lease.
+        self._leases.setdefault(asyncio.current_task(), []).append(lease)
+        return lease
+
+    async def __aexit__(self, exc_type, exc, tb):
+        task = asyncio.current_task()
+        held = self._leases[task]
+        lease = held.pop()
+        if not held:
+            del self._leases[task]
+        if self._reentrant:
+            await _aexit_reentrant(reentrancy.held(self._kwargs["using"], self._kwargs["name"]))
+        else:
+            await lease.arelease()
+        return False
+
+    def __call__(self, func):
+        if not inspect.iscoroutinefunction(func):
+            raise TypeError(f"alock() decorates an async def, not {func!r}; for a plain function use lock().")
+        kwargs, reentrant = self._kwargs, self._reentrant
+
+        @functools.wraps(func)
+        async def locked(*args, **func_kwargs):
+            if reentrant:
+                lease = await _aenter_reentrant(kwargs)  # noqa: F841 - this frame's strong reference to it
+                try:
+                    return await func(*args, **func_kwargs)
+                finally:
+                    await _aexit_reentrant(reentrancy.held(kwargs["using"], kwargs["name"]))
+            lease = await aacquire(**kwargs)
+            try:
+                return await func(*args, **func_kwargs)
+            finally:
+                await lease.arelease()
+
+        return locked
+
+
+async def _aenter_reentrant(kwargs):
+    """``_enter_reentrant`` for a task: re-enter its reentrant hold (no I/O), or acquire and hold at depth 1."""
+    found = reentrancy.held(kwargs["using"], kwargs["name"])
+    if found is not None:
+        before = reentrancy.snapshot()
+        try:
+            return reentrancy.enter_again(*found)
+        except BaseException:
+            reentrancy.restore(before)
+            raise
+    lease = await aacquire(**kwargs)
+    before = reentrancy.snapshot()
+    try:
+        reentrancy.hold(lease)
+    except BaseException:
+        reentrancy.restore(before)
+        await offload.finish(offload.submit(_give_back, lease, True))
+        raise
+    return lease
+
+
+async def _aexit_reentrant(found):
+    """``_exit_reentrant`` for a task: one block fewer, or for the outermost, release then forget the lease."""
+    if found is None:
+        return
+    lease, entry = found
+    if entry.depth > 1:
+        reentrancy.leave(lease, entry)
+        return
+    try:
+        await lease.arelease()
     finally:
         reentrancy.forget(lease)
 

@@ -6,6 +6,7 @@ import time
 from datetime import datetime, timedelta, timezone
 
 from distlock import metrics
+from distlock.backends import offload
 from distlock.exceptions import LockLost, LockSuspended
 from distlock.renewal import Renewer
 from distlock.signals import lock_lost, lock_released, send_robustly
@@ -229,6 +230,31 @@ class Lease:
 
     def __exit__(self, exc_type, exc, tb):
         self.release()
+        return False
+
+    # -- from a coroutine ------------------------------------------------------------------------
+    # The server calls run on a worker thread (``distlock.backends.offload.submit``) and always run
+    # to their end: a coroutine cancelled while its release or extension is in flight does not cut it
+    # short, so a cancelled release still deletes the lock.
+
+    async def arelease(self):
+        """``release()`` from a coroutine: the event loop does not wait for the server."""
+        return await offload.finish(offload.submit(self.release))
+
+    async def aextend(self, ttl=None):
+        """``extend()`` from a coroutine; a bad ``ttl`` raises before any I/O, as there."""
+        ttl = self.ttl if ttl is None else validate_seconds("ttl", ttl)
+        return await offload.finish(offload.submit(self.extend, ttl))
+
+    async def acheck(self):
+        """``check()`` from a coroutine; it makes no round trip, so it runs on the loop."""
+        self.check()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb):
+        await self.arelease()
         return False
 
 

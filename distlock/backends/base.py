@@ -26,9 +26,11 @@ Glossary (one word for one thing, in the code, the options and the docs):
 - **session**: for ZooKeeper and etcd, the server-side session or lease that frees a dead holder's locks.
 """
 
+import asyncio
 import functools
 import logging
 import random
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -36,6 +38,7 @@ from datetime import datetime
 
 from django.core.exceptions import ImproperlyConfigured
 
+from distlock.backends import offload
 from distlock.backends.offload import Abandoned, Inline
 from distlock.backends.options import (
     EPOCH_SHIFT,
@@ -63,6 +66,8 @@ __all__ = [
     "READ_WRITE",
     "SAFE_FENCING_TOKENS",
     "SUPPORTED_BY",
+    "Waiter",
+    "Waiters",
     "check_page",
     "cut_page",
     "operation_words",
@@ -125,6 +130,78 @@ def refuse_after_late_grants(late_grants, alias, name, ttl):
 
 #: The job of an attempt run on its caller's own thread: never cancelled.
 INLINE = Inline()
+
+#: What ``_try_once`` returns after giving back a grant it could not hand out: try again at once.
+_TRY_AGAIN = object()
+
+
+def _backoff(attempt):
+    """Return a jittered exponential back-off (10 ms doubling to 200 ms) after ``attempt.tries`` tries.
+
+    For servers that cannot notify; jitter keeps contenders from retrying in lock step.
+    """
+    return min(0.2, 0.01 * (2 ** min(attempt.tries - 1, 5))) * random.uniform(0.5, 1.0)
+
+
+class Waiter:
+    """A coroutine waiting for a lock (``aacquire``): ``wake()`` may be called from any thread."""
+
+    __slots__ = ("_event", "_loop")
+
+    def __init__(self):
+        self._loop = asyncio.get_running_loop()
+        self._event = asyncio.Event()
+
+    def clear(self):
+        self._event.clear()
+
+    async def wait(self, timeout):
+        """Return after ``timeout`` seconds, or sooner once woken (also by a ``wake()`` since ``clear()``)."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._event.wait()
+        except TimeoutError:
+            pass
+
+    def wake(self):
+        try:
+            self._loop.call_soon_threadsafe(self._event.set)
+        except RuntimeError:  # its loop is closed: nobody waits any more
+            pass
+
+
+class Waiters:
+    """The coroutines of this process waiting for each lock of one alias, in the order they began to wait.
+
+    A release made in this process wakes the first waiter of its lock; it is usually the server's
+    next in line too, where the server keeps a queue (the others would be refused). If it is not,
+    the next in line finds the lock at its next poll. Releases made elsewhere are seen by polling.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()  # held for a dict update, never across a call
+        self._by_name = {}
+
+    def add(self, name):
+        """Return a new ``Waiter`` of the running loop for lock ``name``, last in line."""
+        waiter = Waiter()
+        with self._lock:
+            self._by_name[name] = (*self._by_name.get(name, ()), waiter)
+        return waiter
+
+    def discard(self, name, waiter):
+        with self._lock:
+            left = tuple(other for other in self._by_name.get(name, ()) if other is not waiter)
+            if left:
+                self._by_name[name] = left
+            else:
+                self._by_name.pop(name, None)
+
+    def wake(self, name):
+        """Wake the first waiter for lock ``name``, if any (from any thread)."""
+        waiting = self._by_name.get(name)  # a tuple, replaced whole: read without the lock
+        if waiting:
+            waiting[0].wake()
 
 
 @dataclass
@@ -317,6 +394,8 @@ class BaseLockBackend:
         #: The order of the alias's tokens as this process saw it; refuses a server that went back.
         self.token_order = TokenOrder(self)
         self._watch_tokens = self.tokens_grow_alias_wide and SAFE_FENCING_TOKENS in self.capabilities
+        #: The coroutines of this process waiting for a lock of the alias (``aacquire``).
+        self._waiters = Waiters()
 
     def public_token(self, token):
         """Return the fencing token callers see for the backend's ``token`` (``token_in_epoch``), or None."""
@@ -460,13 +539,18 @@ class BaseLockBackend:
                              max_hold=max_hold)
 
     def _acquire(self, name, mode, *, ttl, timeout, blocking, auto_renew, max_hold):
+        attempt = self._new_attempt(name, mode, ttl=ttl, timeout=timeout, blocking=blocking, auto_renew=auto_renew,
+                                    max_hold=max_hold)
+        return self._call(functools.partial(self._acquire_loop, attempt), give_back=self._give_back)
+
+    def _new_attempt(self, name, mode, *, ttl, timeout, blocking, auto_renew, max_hold):
+        """Return the ``Attempt`` of one acquire call; raise ``TokenRegression`` if the alias's server went back."""
         order = self.token_order
         if order.regression is not None:
             raise order.refusal()
-        attempt = Attempt(name=name, owner=new_owner(), ttl=ttl, blocking=blocking, timeout=timeout, mode=mode,
-                          deadline=None if timeout is None else time.monotonic() + timeout,
-                          auto_renew=auto_renew, max_hold=max_hold, token_floor=order.highest)
-        return self._call(functools.partial(self._acquire_loop, attempt), give_back=self._give_back)
+        return Attempt(name=name, owner=new_owner(), ttl=ttl, blocking=blocking, timeout=timeout, mode=mode,
+                       deadline=None if timeout is None else time.monotonic() + timeout,
+                       auto_renew=auto_renew, max_hold=max_hold, token_floor=order.highest)
 
     def _acquire_loop(self, attempt, job):
         """The one acquire loop: try, wait, try again until granted, refused or out of time.
@@ -479,31 +563,136 @@ class BaseLockBackend:
             while True:
                 if job.cancelled:
                     raise Abandoned(attempt.name)
-                attempt.retry_after = None
-                started = time.monotonic()
-                grant = self._try_acquire(attempt)
-                attempt.tries += 1
-                if grant is not None:
-                    lease = self.make_lease(attempt, started, grant)
-                    late = lease.remaining() <= 0
-                    if not late and self._hold(lease, attempt):
-                        return lease
-                    # Late (a pause, a slow server): another owner may hold the lock by now. Or the
-                    # backend refused to hold it (its session ended meanwhile). Never hand it out.
-                    self._give_back_grant(lease, attempt)
-                    if late:
-                        attempt.late_grants += 1
-                        refuse_after_late_grants(attempt.late_grants, self.alias, attempt.name, attempt.ttl)
-                    if attempt.deadline is not None and time.monotonic() >= attempt.deadline:
-                        raise LockNotAcquired(self.not_acquired_message(
-                            attempt, "its grant came back after its ttl had run out, or after its session ended"))
+                lease = self._try_once(attempt)
+                if lease is _TRY_AGAIN:
                     continue
+                if lease is not None:
+                    return lease
                 if attempt.out_of_time():
                     raise LockNotAcquired(self.not_acquired_message(attempt))
                 self._wait_for_release(attempt, attempt.remaining())
         except BaseException as exc:
             self._give_up(attempt, exc)
             raise
+
+    def _try_once(self, attempt):
+        """Make one try: return the ``Lease``, None while the lock is held, or ``_TRY_AGAIN`` at once.
+
+        ``_TRY_AGAIN`` follows a grant that could not be handed out (late, or ``_hold`` refused it),
+        which was given back. Raise ``LockNotAcquired`` once such grants leave no time or hope.
+        """
+        attempt.retry_after = None
+        started = time.monotonic()
+        grant = self._try_acquire(attempt)
+        attempt.tries += 1
+        if grant is None:
+            return None
+        lease = self.make_lease(attempt, started, grant)
+        late = lease.remaining() <= 0
+        if not late and self._hold(lease, attempt):
+            return lease
+        # Late (a pause, a slow server): another owner may hold the lock by now. Or the backend
+        # refused to hold it (its session ended meanwhile). Never hand it out.
+        self._give_back_grant(lease, attempt)
+        if late:
+            attempt.late_grants += 1
+            refuse_after_late_grants(attempt.late_grants, self.alias, attempt.name, attempt.ttl)
+        if attempt.deadline is not None and time.monotonic() >= attempt.deadline:
+            raise LockNotAcquired(self.not_acquired_message(
+                attempt, "its grant came back after its ttl had run out, or after its session ended"))
+        return _TRY_AGAIN
+
+    # -- acquiring from a coroutine --------------------------------------------------------------
+    # The same tries, waits and clean-ups as ``_acquire_loop``, for ``distlock.aacquire``: each try
+    # (and the clean-up) runs on a thread of ``offload``'s pool, and the waits between tries are the
+    # event loop's, so a waiting coroutine holds no thread. The waits poll (``_async_pause``), whatever
+    # the server can push: a release made in this process wakes the longest waiting coroutine at once
+    # (``_waiters``); a release elsewhere is seen at the next poll.
+
+    async def aacquire(self, name, *, ttl, timeout, blocking, auto_renew=False, max_hold=None):
+        """``acquire()`` for a coroutine: the server calls run on worker threads, the waits on the event loop.
+
+        Cancelled, it leaves nothing on the server: a try in flight runs to its end and what it was
+        granted is given back, then the attempt gives up (a place in a queue) before the
+        ``CancelledError`` propagates.
+        """
+        return await self._aacquire(name, None, ttl=ttl, timeout=timeout, blocking=blocking, auto_renew=auto_renew,
+                                    max_hold=max_hold)
+
+    async def aacquire_shared(self, name, mode, *, ttl, timeout, blocking, auto_renew=False, max_hold=None):
+        """``acquire_shared()`` for a coroutine, as ``aacquire()``."""
+        self.require(READ_WRITE, "read/write locks (read_lock(), write_lock())")
+        if mode not in ("read", "write"):
+            raise ValueError(f'mode must be "read" or "write", got {mode!r}.')
+        return await self._aacquire(name, mode, ttl=ttl, timeout=timeout, blocking=blocking, auto_renew=auto_renew,
+                                    max_hold=max_hold)
+
+    async def _aacquire(self, name, mode, *, ttl, timeout, blocking, auto_renew, max_hold):
+        attempt = self._new_attempt(name, mode, ttl=ttl, timeout=timeout, blocking=blocking, auto_renew=auto_renew,
+                                    max_hold=max_hold)
+        waiter = pending = None
+        try:
+            while True:
+                if waiter is not None:
+                    waiter.clear()  # before the try: a release during it ends the pause after it at once
+                pending = offload.submit(self._try_once, attempt)
+                # Cancelled here, before the try started, the try never starts; once started, it runs to its end.
+                lease = await asyncio.wrap_future(pending)
+                pending = None
+                if lease is _TRY_AGAIN:
+                    continue
+                if lease is not None:
+                    return lease
+                if attempt.out_of_time():
+                    raise LockNotAcquired(self.not_acquired_message(attempt))
+                if waiter is None:
+                    # After the first refused try, which queued the attempt where the server keeps a queue:
+                    # local waiters are then woken roughly in the server's order.
+                    waiter = self._waiters.add(name)
+                await waiter.wait(self._async_pause(attempt, attempt.remaining()))
+        except BaseException as exc:
+            # A cancelled coroutine gives up like a caller interrupted on the sync side (``Abandoned``).
+            reason = Abandoned(name) if isinstance(exc, asyncio.CancelledError) else exc
+            await offload.finish(offload.submit(self._abandon, attempt, pending, reason))
+            raise
+        finally:
+            if waiter is not None:
+                self._waiters.discard(name, waiter)
+
+    def _abandon(self, attempt, pending, reason):
+        """Worker: end a coroutine's attempt that leaves without its lease, for ``reason``.
+
+        ``pending`` is the try in flight when the coroutine left (a ``Future``), or None: its lease, if
+        it was granted one, is given back once it ends. Then the attempt gives up. Errors are logged:
+        the coroutine's exception is the one it leaves with.
+        """
+        try:
+            if pending is not None and not pending.cancelled() and pending.exception() is None:
+                lease = pending.result()
+                if isinstance(lease, Lease):
+                    self._give_back(lease)
+        except Exception:
+            logger.exception("Giving back lock %r (alias %r), granted to a coroutine that left, failed; nothing "
+                             "renews it, so the server frees it when its ttl or session ends.", attempt.name, self.alias)
+        try:
+            self._give_up(attempt, reason)
+        except Exception:
+            logger.exception("Giving up the attempt on lock %r (alias %r) of a coroutine that left failed.",
+                             attempt.name, self.alias)
+
+    def _async_pause(self, attempt, remaining):
+        """Return the seconds a coroutine's attempt waits before its next try, unless a local release wakes it.
+
+        The back-off of ``_wait_for_release``, shortened to the server's hint (``attempt.retry_after``)
+        and to the caller's timeout. The longest pause, 200 ms, keeps a Redis waiter's queue entry
+        alive (``WAITER_REFRESH``).
+        """
+        delay = _backoff(attempt)
+        if attempt.retry_after is not None and attempt.retry_after > 0:
+            delay = min(delay, attempt.retry_after)
+        if remaining is not None:
+            delay = min(delay, remaining)
+        return max(delay, 0.0)
 
     def not_acquired_message(self, attempt, why=None):
         """The one ``LockNotAcquired`` message: the lock, the alias, and why (held, or ``why``)."""
@@ -576,7 +765,7 @@ class BaseLockBackend:
 
         Times a random 0.5-1.0: jitter keeps contenders from retrying in lock step.
         """
-        delay = min(0.2, 0.01 * (2 ** min(attempt.tries - 1, 5))) * random.uniform(0.5, 1.0)
+        delay = _backoff(attempt)
         if remaining is not None:
             delay = min(delay, remaining)
         return max(delay, 0)
@@ -609,8 +798,14 @@ class BaseLockBackend:
     # -- holding -------------------------------------------------------------------------------
 
     def release(self, lease):
-        """Delete the lock if ``lease`` still owns it; return True if it did (compare-and-delete)."""
-        return self._do_release(lease)
+        """Delete the lock if ``lease`` still owns it; return True if it did (compare-and-delete).
+
+        Then wakes the coroutine of this process that has waited longest for the lock (``aacquire``).
+        """
+        try:
+            return self._do_release(lease)
+        finally:
+            self._waiters.wake(lease.name)
 
     def _do_release(self, lease):
         """Release ``lease``; by default ``release_owned(lease.name, lease.owner)``."""

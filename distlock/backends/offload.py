@@ -17,13 +17,24 @@ its own (``GreenRunner``): a ``Timeout`` raised in the caller's green thread (a 
 limit) is handled the same way. (Deferring signals with ``pthread_sigmask`` was the alternative; it
 only works on the main thread, cannot cover a library's blocking waits without delaying the time
 limit itself, and does nothing for green ``Timeout``s.)
+
+The asyncio API (``distlock.aacquire``, ``alock``, ``Lease.arelease``...) offloads the same way, for
+the event loop's sake: each server call runs on a thread of one process-wide pool (``submit``), in a
+copy of the caller's ``contextvars`` context, while the coroutine waits on the loop. The pool is not
+Django's ``sync_to_async``: its thread-sensitive mode runs every call on one thread, so one slow
+server call would hold up every coroutine's. A coroutine cancelled while its call runs leaves the
+call running to its end; whoever cancels it decides what to do with the result (``finish`` lets it
+complete, the acquire loop gives back what it was granted).
 """
 
+import asyncio
+import contextvars
 import logging
 import os
 import queue
 import signal
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import _signal
 from functools import partial
@@ -31,6 +42,7 @@ from functools import partial
 from distlock.backends.green import Daemon
 
 __all__ = [
+    "ASYNC_WORKERS",
     "Abandoned",
     "GreenRunner",
     "IDLE_RUNNERS",
@@ -38,7 +50,9 @@ __all__ = [
     "Job",
     "Offloader",
     "ThreadRunner",
+    "finish",
     "signals_can_raise",
+    "submit",
 ]
 
 logger = logging.getLogger(__name__)
@@ -248,3 +262,42 @@ class Offloader:
         runner, self._runner = self._runner, None
         if runner is not None:
             runner.stop()
+
+
+#: Threads of the asyncio API's pool, per process: the bound asyncio's own default executor uses. A
+#: call waits for a free thread only while this many server calls are in flight at once.
+ASYNC_WORKERS = min(32, (os.cpu_count() or 1) + 4)
+
+_pool = None
+_pool_lock = threading.Lock()
+
+
+def _forget_pool():
+    """In a forked child: the parent's pool threads do not exist here; the next call starts a pool."""
+    global _pool, _pool_lock  # noqa: PLW0603
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def submit(fn, *args):
+    """Start ``fn(*args)`` on a thread of the asyncio API's pool, in a copy of the caller's context; return its
+    ``concurrent.futures.Future``.
+
+    Await it with ``asyncio.wrap_future`` (a caller cancelled before the call started cancels it) or
+    ``finish`` (the call always runs to its end).
+    """
+    global _pool  # noqa: PLW0603 - built at first use, dropped in a forked child
+    pool = _pool
+    if pool is None:
+        with _pool_lock:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(ASYNC_WORKERS, thread_name_prefix="distlock-async")
+            pool = _pool
+    return pool.submit(contextvars.copy_context().run, fn, *args)
+
+
+async def finish(future):
+    """Return the result of the ``submit`` call ``future``; if the caller is cancelled, the call still ends."""
+    return await asyncio.shield(asyncio.wrap_future(future))

@@ -57,6 +57,7 @@ from distlock.backends.base import (
     NOTIFICATIONS, SAFE_FENCING_TOKENS, BaseLockBackend, Grant, LockPage, check_page, operation_words,
 )
 from distlock.backends.deadlines import request_seconds
+from distlock.backends.offload import Abandoned
 from distlock.backends.options import Option, positive_count, positive_number
 from distlock.backends.redis_servers import (
     SENTINEL_URL_SHAPE,
@@ -639,10 +640,12 @@ class RedisBackend(BaseLockBackend):
     def _give_up(self, attempt, reason):
         """A waiter whose timeout ran out gives its place in the queue up at once (else it expires).
 
-        Only on a timeout: after any other exception (the server failed, the caller was interrupted)
-        one more request would stretch the caller's wait, and the entry expires within ``WAITER_TTL``.
+        Only on a timeout, or for a caller that already left (``Abandoned``: a cancelled coroutine,
+        whose place would otherwise hold up a free lock for ``WAITER_TTL``): after any other exception
+        (the server failed, the caller was interrupted on its own thread) one more request would
+        stretch the caller's wait, and the entry expires within ``WAITER_TTL``.
         """
-        if not (isinstance(reason, LockNotAcquired) and attempt.blocking and attempt.tries):
+        if not (isinstance(reason, (LockNotAcquired, Abandoned)) and attempt.blocking and attempt.tries):
             return
         lock, queue, alive, wake = self._keys(attempt.name)
         try:
