@@ -81,12 +81,23 @@ def acquire(name, ttl=None, timeout=None, blocking=True, using=DEFAULT_ALIAS, au
 def _prepare(name, ttl, timeout, blocking, using, auto_renew, max_hold):
     """Check the arguments of an acquisition before any I/O; return the name, the hierarchy, the backend and
     the backend's keyword arguments, defaults filled in."""
+    name, ranked = _check(name, ttl, timeout, blocking, using, auto_renew, max_hold)
+    backend = locks[using]
+    return name, ranked, backend, _backend_options(backend, ttl, timeout, blocking, auto_renew, max_hold)
+
+
+def _check(name, ttl, timeout, blocking, using, auto_renew, max_hold):
+    """Check the arguments of an acquisition and ``DISTLOCK_HIERARCHY``; return the name and the hierarchy."""
     name = validate_name(name)
     _validate_options(ttl, timeout, blocking, using, auto_renew, max_hold)
     ranked = hierarchy.prefixes()
     if ranked:
         hierarchy.check_order((name,), ranked)
-    backend = locks[using]
+    return name, ranked
+
+
+def _backend_options(backend, ttl, timeout, blocking, auto_renew, max_hold):
+    """Return the keyword arguments of ``backend.acquire()``: the alias's defaults filled in."""
     settings = backend.settings
     ttl = settings["DEFAULT_TTL"] if ttl is None else ttl
     auto_renew = settings["AUTO_RENEW"] if auto_renew is None else auto_renew
@@ -97,8 +108,7 @@ def _prepare(name, ttl, timeout, blocking, using, auto_renew, max_hold):
         blocking = False
     if not blocking:
         timeout = 0
-    return name, ranked, backend, dict(ttl=ttl, timeout=timeout, blocking=blocking, auto_renew=auto_renew,
-                                       max_hold=max_hold)
+    return dict(ttl=ttl, timeout=timeout, blocking=blocking, auto_renew=auto_renew, max_hold=max_hold)
 
 
 def _record_failure(using, name, options, started, exc):
@@ -145,7 +155,11 @@ async def aacquire(name, ttl=None, timeout=None, blocking=True, using=DEFAULT_AL
     its end and what it was granted is released, and the attempt's place in a server-side queue is
     withdrawn, before the ``CancelledError`` propagates.
     """
-    name, ranked, backend, options = _prepare(name, ttl, timeout, blocking, using, auto_renew, max_hold)
+    name, ranked = _check(name, ttl, timeout, blocking, using, auto_renew, max_hold)
+    backend = locks.built(using)
+    if backend is None:  # built once per process: an import, maybe a connection; not on the loop
+        backend = await offload.finish(offload.submit(locks.__getitem__, using))
+    options = _backend_options(backend, ttl, timeout, blocking, auto_renew, max_hold)
     started = time.monotonic()
     try:
         if mode is None:

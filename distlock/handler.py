@@ -41,6 +41,12 @@ class LockHandler:
                 self._backends[alias] = self.create_backend(alias)
             return self._backends[alias]
 
+    def built(self, alias):
+        """Return the backend of ``alias`` if this process has built it already, else None (nothing is built)."""
+        if self._pid != os.getpid():
+            return None
+        return self._backends.get(alias)
+
     def __setitem__(self, alias, backend):
         self._backends[alias] = backend
 

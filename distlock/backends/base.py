@@ -55,6 +55,7 @@ from distlock.lease import Lease
 from distlock.redaction import redact
 
 __all__ = [
+    "ASYNC_LONGEST_PAUSE",
     "Attempt",
     "BaseLockBackend",
     "Grant",
@@ -135,33 +136,44 @@ INLINE = Inline()
 _TRY_AGAIN = object()
 
 
-def _backoff(attempt):
-    """Return a jittered exponential back-off (10 ms doubling to 200 ms) after ``attempt.tries`` tries.
+#: The longest pause between two tries of a coroutine (``aacquire``), in seconds. Longer than the
+#: sync loop's 200 ms: each try of every waiting coroutine costs a worker thread's CPU in this
+#: process, and a release made in the process wakes its next waiter at once anyway. Shorter than
+#: Redis's ``WAITER_REFRESH``, so a waiter's queue entry stays alive.
+ASYNC_LONGEST_PAUSE = 0.5
+
+
+def _backoff(attempt, longest=0.2):
+    """Return a jittered exponential back-off (10 ms doubling to ``longest``) after ``attempt.tries`` tries.
 
     For servers that cannot notify; jitter keeps contenders from retrying in lock step.
     """
-    return min(0.2, 0.01 * (2 ** min(attempt.tries - 1, 5))) * random.uniform(0.5, 1.0)
+    return min(longest, 0.01 * (2 ** min(attempt.tries - 1, 6))) * random.uniform(0.5, 1.0)
 
 
 class Waiter:
     """A coroutine waiting for a lock (``aacquire``): ``wake()`` may be called from any thread."""
 
-    __slots__ = ("_event", "_loop")
+    __slots__ = ("_event", "_loop", "woken")
 
     def __init__(self):
         self._loop = asyncio.get_running_loop()
         self._event = asyncio.Event()
+        #: True if the last ``wait()`` ended with a wake-up rather than its timeout.
+        self.woken = False
 
     def clear(self):
         self._event.clear()
 
     async def wait(self, timeout):
         """Return after ``timeout`` seconds, or sooner once woken (also by a ``wake()`` since ``clear()``)."""
+        self.woken = False
         try:
             async with asyncio.timeout(timeout):
                 await self._event.wait()
         except TimeoutError:
-            pass
+            return
+        self.woken = True
 
     def wake(self):
         try:
@@ -202,6 +214,14 @@ class Waiters:
         waiting = self._by_name.get(name)  # a tuple, replaced whole: read without the lock
         if waiting:
             waiting[0].wake()
+
+    def wake_next(self, name, waiter):
+        """Wake the waiter for lock ``name`` that follows ``waiter`` in line, if any."""
+        waiting = self._by_name.get(name, ())
+        for position, other in enumerate(waiting[:-1]):
+            if other is waiter:
+                waiting[position + 1].wake()
+                return
 
 
 @dataclass
@@ -649,6 +669,10 @@ class BaseLockBackend:
                     # After the first refused try, which queued the attempt where the server keeps a queue:
                     # local waiters are then woken roughly in the server's order.
                     waiter = self._waiters.add(name)
+                elif waiter.woken:
+                    # Woken by a release, refused all the same: the lock went to another waiter (the
+                    # server's next in line, say), who may be waiting here too. Pass the wake-up on.
+                    self._waiters.wake_next(name, waiter)
                 await waiter.wait(self._async_pause(attempt, attempt.remaining()))
         except BaseException as exc:
             # A cancelled coroutine gives up like a caller interrupted on the sync side (``Abandoned``).
@@ -684,10 +708,9 @@ class BaseLockBackend:
         """Return the seconds a coroutine's attempt waits before its next try, unless a local release wakes it.
 
         The back-off of ``_wait_for_release``, shortened to the server's hint (``attempt.retry_after``)
-        and to the caller's timeout. The longest pause, 200 ms, keeps a Redis waiter's queue entry
-        alive (``WAITER_REFRESH``).
+        and to the caller's timeout; ``ASYNC_LONGEST_PAUSE`` at most.
         """
-        delay = _backoff(attempt)
+        delay = _backoff(attempt, longest=ASYNC_LONGEST_PAUSE)
         if attempt.retry_after is not None and attempt.retry_after > 0:
             delay = min(delay, attempt.retry_after)
         if remaining is not None:
