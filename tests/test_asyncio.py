@@ -131,6 +131,38 @@ def test_fifty_coroutines_never_overlap_and_the_loop_is_never_blocked(backend_al
     assert free(backend_alias, lock_name)
 
 
+def test_no_server_call_runs_on_the_loop_thread(backend_alias, lock_name, monkeypatch):
+    """Whatever the server's speed: the loop's thread makes no call that waits for it."""
+    backend = locks[backend_alias]
+    callers = []
+    for hook in ("_try_acquire", "_do_release", "_do_extend", "_give_up", "_give_back"):
+        real = getattr(backend, hook)
+
+        def recorded(*args, _real=real, _hook=hook, **kwargs):
+            callers.append((_hook, threading.get_ident()))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(backend, hook, recorded)
+
+    async def scenario():
+        lease = await distlock.aacquire(lock_name, ttl=30, using=backend_alias)
+        with pytest.raises(LockNotAcquired):
+            await distlock.aacquire(lock_name, ttl=30, timeout=0.05, using=backend_alias)
+        waiter = asyncio.create_task(distlock.aacquire(lock_name, ttl=30, using=backend_alias))
+        while sum(hook == "_try_acquire" for hook, _ in callers) < 3:
+            await asyncio.sleep(0.01)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        await lease.aextend()
+        await lease.arelease()
+        return threading.get_ident()
+
+    loop_thread = run(scenario())
+    assert {hook for hook, _ in callers} >= {"_try_acquire", "_do_release", "_do_extend", "_give_up"}
+    assert [hook for hook, caller in callers if caller == loop_thread] == []
+
+
 # -- cancellation ----------------------------------------------------------------------------------------------
 
 def test_cancelled_waiters_leave_nothing_behind(backend_alias, lock_name, tries):
