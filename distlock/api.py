@@ -178,8 +178,10 @@ async def aacquire(name, ttl=None, timeout=None, blocking=True, using=DEFAULT_AL
             lease.renewer.start()
         if ranked:
             hierarchy.hold(lease, ranked)
-    except BaseException:
-        await offload.finish(offload.submit(_give_back_announced, lease, announcing))
+    except BaseException as exc:
+        giving_back = offload.submit(_give_back_announced, lease, announcing)
+        if not isinstance(exc, GeneratorExit):  # a closed coroutine may not await: the give-back runs alone
+            await offload.finish(giving_back)
         raise
     return lease
 
@@ -434,9 +436,11 @@ async def _aenter_reentrant(kwargs):
     before = reentrancy.snapshot()
     try:
         reentrancy.hold(lease)
-    except BaseException:
+    except BaseException as exc:
         reentrancy.restore(before)
-        await offload.finish(offload.submit(_give_back, lease, True))
+        giving_back = offload.submit(_give_back, lease, True)
+        if not isinstance(exc, GeneratorExit):
+            await offload.finish(giving_back)
         raise
     return lease
 

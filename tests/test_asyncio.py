@@ -216,6 +216,34 @@ def test_a_cancel_while_a_successful_try_is_in_flight_gives_its_grant_back(backe
     assert not list(backend.held_locks(lock_name))
 
 
+def test_a_coroutine_closed_while_a_successful_try_is_in_flight_gives_its_grant_back(backend_alias, lock_name,
+                                                                                     monkeypatch):
+    """``coroutine.close()`` (GeneratorExit) cannot await the clean-up: it runs on its own, all the same."""
+    backend = locks[backend_alias]
+    real = backend._try_acquire
+    granted, proceed = threading.Event(), threading.Event()
+
+    def try_acquire(attempt):
+        grant = real(attempt)
+        granted.set()
+        proceed.wait(10)
+        return grant
+
+    monkeypatch.setattr(backend, "_try_acquire", try_acquire)
+
+    async def scenario():
+        coroutine = distlock.aacquire(lock_name, ttl=30, using=backend_alias)
+        awaited = coroutine.send(None)  # runs up to its first await: the try, on a worker thread
+        assert await asyncio.to_thread(granted.wait, 10)
+        coroutine.close()
+        proceed.set()
+        assert not awaited.cancelled()
+
+    run(scenario())
+    monkeypatch.setattr(backend, "_try_acquire", real)
+    wait_until(lambda: free(backend_alias, lock_name), LEFTOVERS_GONE_WITHIN, "the grant given back")
+
+
 def test_a_cancel_inside_the_block_releases_the_lock(backend_alias, lock_name):
     async def scenario():
         entered = asyncio.Event()

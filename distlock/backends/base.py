@@ -675,9 +675,11 @@ class BaseLockBackend:
                     self._waiters.wake_next(name, waiter)
                 await waiter.wait(self._async_pause(attempt, attempt.remaining()))
         except BaseException as exc:
-            # A cancelled coroutine gives up like a caller interrupted on the sync side (``Abandoned``).
-            reason = Abandoned(name) if isinstance(exc, asyncio.CancelledError) else exc
-            await offload.finish(offload.submit(self._abandon, attempt, pending, reason))
+            # A cancelled (or closed) coroutine gives up like a caller interrupted on the sync side (``Abandoned``).
+            reason = Abandoned(name) if isinstance(exc, (asyncio.CancelledError, GeneratorExit)) else exc
+            cleanup = offload.submit(self._abandon, attempt, pending, reason)
+            if not isinstance(exc, GeneratorExit):  # a closed coroutine may not await: the clean-up runs alone
+                await offload.finish(cleanup)
             raise
         finally:
             if waiter is not None:
