@@ -24,8 +24,9 @@ CONTENDERS = 50
 #: The longest the event loop may go without running a ready task while they contend.
 MAX_LOOP_LAG = 0.05
 
-#: Seconds to see a cancelled waiter's leftovers gone: below Redis's WAITER_TTL (2 s), so a queue entry
-#: a cancelled waiter failed to withdraw cannot expire meanwhile and pass for withdrawn.
+#: Seconds to see a cancelled waiter's leftovers gone: below the WAITER_TTL (2 s) of the Redis and the
+#: database queues, so a place a cancelled waiter failed to withdraw cannot expire meanwhile and pass
+#: for withdrawn.
 LEFTOVERS_GONE_WITHIN = 1.0
 
 
@@ -276,7 +277,7 @@ def test_the_same_exceptions_and_lease_as_the_sync_api(backend_alias, lock_name)
             await distlock.aacquire(lock_name, ttl=30, blocking=False, using=backend_alias)
         with pytest.raises(LockNotAcquired, match="still held after 0.2s"):
             async with distlock.alock(lock_name, ttl=30, timeout=0.2, using=backend_alias):
-                pass  # pragma: no cover - never entered
+                pass  # never entered
         assert await lease.aextend(20) is True
         assert await lease.arelease() is True
         assert await lease.arelease() is False
@@ -305,7 +306,7 @@ def test_arguments_are_checked_before_any_io():
 def test_alock_decorates_only_an_async_def():
     with pytest.raises(TypeError, match="decorates an async def.*use lock\\(\\)"):
         @distlock.alock("report", using="locmem")
-        def report():  # pragma: no cover - never called
+        def report():  # never called
             pass
 
 
@@ -341,7 +342,7 @@ def test_reentrant_alock_reenters_in_its_task_only(lock_name):
 
             async def other_task():
                 async with distlock.alock(lock_name, ttl=30, timeout=0, using="locmem", reentrant=True):
-                    pass  # pragma: no cover - never entered
+                    pass  # never entered
 
             with pytest.raises(LockNotAcquired):
                 await asyncio.create_task(other_task())
@@ -372,7 +373,7 @@ def test_the_hierarchy_check_fires_for_alock(lock_name):
         async with distlock.alock(f"account:{lock_name}", ttl=30, using="locmem"):
             with pytest.raises(LockOrderError, match="coarser than lock"):
                 async with distlock.alock(f"region:{lock_name}", ttl=30, using="locmem"):
-                    pass  # pragma: no cover - never entered
+                    pass  # never entered
         async with distlock.alock(f"region:{lock_name}", ttl=30, using="locmem"):
             async with distlock.alock(f"account:{lock_name}", ttl=30, using="locmem"):
                 pass
