@@ -485,7 +485,9 @@ def test_no_litter_after_a_thousand_cycles_on_distinct_names(alias, options, zk,
 
 
 def test_misses_timeouts_and_expiry_leave_no_litter(alias, options, zk, lock_name):
-    holder = distlock.acquire(lock_name, ttl=1, using=alias)
+    # A long ttl first, so that the holder's node is still there when the contenders' have gone, however
+    # slow the machine; then a short one, to watch its expiry.
+    holder = distlock.acquire(lock_name, ttl=30, using=alias)
     with pytest.raises(distlock.LockNotAcquired):
         distlock.acquire(lock_name, blocking=False, using=alias)
     with pytest.raises(distlock.LockNotAcquired):
@@ -494,6 +496,7 @@ def test_misses_timeouts_and_expiry_leave_no_litter(alias, options, zk, lock_nam
     wait_for(lambda: len(our_nodes(zk, options["KEY_PREFIX"], lock_name)) == 1, 5, "the contenders' nodes going")
     assert our_nodes(zk, options["KEY_PREFIX"], lock_name)[0].startswith(holder.owner)
     # Nobody releases: the ttl runs out and this process deletes the node and its parent.
+    assert holder.extend(1) is True
     wait_for(lambda: our_nodes(zk, options["KEY_PREFIX"], lock_name) is None, 5, "deletion at ttl expiry")
     assert holder.lost and holder.release() is False
 
