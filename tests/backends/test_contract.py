@@ -1,12 +1,15 @@
 """The behaviour every backend promises, run against each configured alias on its real server."""
 
 import json
+import os
 import re
 import threading
 import time
+import traceback
 
 import pytest
 from django.conf import settings as settings_module
+from django.db import connections
 
 import distlock
 from distlock.backends.base import READ_WRITE
@@ -34,9 +37,10 @@ def shared_alias(request):
 #: Aliases of a backend another alias already runs on the same server, which differ from it only in where
 #: their client comes from or where their keys live: redis_cache is the Redis backend on django-redis's
 #: connection, zookeeper_buckets the ZooKeeper backend with LAYOUT "buckets". Every test runs on
-#: them, except those that wait seconds for what the server does with a lease (expiry, renewal past three
-#: ttls, max_hold, a killed holder, four processes): those run on them with DISTLOCK_FAULTS_LONG=1 (make
-#: test's time budget), and on the alias of the same backend ("redis", "zookeeper") always.
+#: them, except those of several processes (a killed holder, four processes): those run on them with
+#: DISTLOCK_FAULTS_LONG=1 (make test's time budget), and on the alias of the same backend ("redis",
+#: "zookeeper") always. The tests that wait seconds in one process run on every alias at once
+#: (``on_every_alias_at_once``).
 SAME_BACKEND_AS = {"redis_cache": "redis", "zookeeper_buckets": "zookeeper"}
 #: Aliases whose tests of seconds with several processes (four processes hammering, a killed holder) run with
 #: DISTLOCK_FAULTS_LONG=1 only: redis_cluster runs the Redis scripts of "redis", one slot at a time, and its
@@ -44,16 +48,41 @@ SAME_BACKEND_AS = {"redis_cache": "redis", "zookeeper_buckets": "zookeeper"}
 PROCESSES_LONG_ONLY = {**SAME_BACKEND_AS, "redis_cluster": "redis"}
 
 
-@pytest.fixture(params=alias_params(CONTRACT_ALIASES, long_only_aliases=SAME_BACKEND_AS))
-def lease_alias(request):
-    """``backend_alias`` for the tests that take seconds: every backend once (``SAME_BACKEND_AS``)."""
-    return require_alias(request.param)
-
-
 @pytest.fixture(params=alias_params(CONTRACT_SHARED_ALIASES, long_only_aliases=PROCESSES_LONG_ONLY))
 def shared_lease_alias(request):
     """``shared_alias`` for the tests that take seconds: every backend once (``PROCESSES_LONG_ONLY``)."""
     return require_alias(request.param)
+
+
+def on_every_alias_at_once(scenario):
+    """Run ``scenario(alias)`` on every configured contract alias at the same time, a thread each.
+
+    For the scenarios whose length is the server's or the renewal thread's time (a lease held past
+    three ttls, ``max_hold`` running out): run together they take the time of one, so they cover every
+    alias, ``SAME_BACKEND_AS`` included, within ``make test``'s budget. A failure names its alias.
+    """
+    aliases = [alias for alias in CONTRACT_ALIASES if alias in settings_module.DISTLOCK]
+    for alias in CONTRACT_ALIASES:
+        if alias not in aliases and CONTRACT_ALIASES[alias] in os.environ.get("DISTLOCK_TEST_REQUIRE", "").split(","):
+            require_alias(alias)  # fails: its server was started
+    failures = {}
+
+    def run(alias):
+        try:
+            scenario(alias)
+        except BaseException as exc:  # noqa: BLE001 - reported below, with its alias
+            failures[alias] = "".join(traceback.format_exception(exc))
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=run, args=(alias,), name=f"contract-{alias}") for alias in aliases]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    stuck = [thread.name for thread in threads if thread.is_alive()]
+    assert not stuck, f"still running after 60 s: {stuck}"
+    assert not failures, "\n".join(f"--- on alias {alias!r}:\n{text}" for alias, text in failures.items())
 
 
 #: Acquisitions per process in the multi-process test; backends with sessions do one round trip more per lock.
@@ -147,16 +176,20 @@ def test_blocking_acquire_wakes_on_release(backend_alias, lock_name, monkeypatch
     waiter.release()
 
 
-def test_expired_lock_is_taken_over_with_a_higher_token(lease_alias, lock_name):
-    first = distlock.acquire(lock_name, ttl=1, using=lease_alias)
-    second = distlock.acquire(lock_name, ttl=10, timeout=15, using=lease_alias)
-    assert second.token > first.token
-    with pytest.raises(distlock.LockLost):
-        first.check()
-    assert first.release() is False, "releasing an expired lease must not delete the new holder's lock"
-    with pytest.raises(distlock.LockNotAcquired):
-        distlock.acquire(lock_name, blocking=False, using=lease_alias)
-    assert second.release() is True
+def test_expired_lock_is_taken_over_with_a_higher_token(lock_name):
+    def take_over_at_expiry(alias):
+        name = f"{lock_name}:{alias}"
+        first = distlock.acquire(name, ttl=1, using=alias)
+        second = distlock.acquire(name, ttl=10, timeout=15, using=alias)
+        assert second.token > first.token
+        with pytest.raises(distlock.LockLost):
+            first.check()
+        assert first.release() is False, "releasing an expired lease must not delete the new holder's lock"
+        with pytest.raises(distlock.LockNotAcquired):
+            distlock.acquire(name, blocking=False, using=alias)
+        assert second.release() is True
+
+    on_every_alias_at_once(take_over_at_expiry)
 
 
 def test_tokens_increase_across_names(backend_alias, lock_name):
@@ -195,16 +228,20 @@ def test_a_waiter_gets_a_token_above_every_token_granted_while_it_waited(backend
     lease.release()
 
 
-def test_release_of_a_lock_owned_by_someone_else_is_refused(lease_alias, lock_name):
-    stale = distlock.acquire(lock_name, ttl=1, using=lease_alias)
-    current = distlock.acquire(lock_name, ttl=30, timeout=15, using=lease_alias)
-    assert stale.release() is False
-    backend = locks[lease_alias]
-    assert backend.release_owned(lock_name, stale.owner) is False
-    assert [info.owner for info in backend.held_locks(lock_name)] == [current.owner]
-    with pytest.raises(distlock.LockNotAcquired):
-        distlock.acquire(lock_name, blocking=False, using=lease_alias)
-    assert current.release() is True
+def test_release_of_a_lock_owned_by_someone_else_is_refused(lock_name):
+    def release_after_a_takeover(alias):
+        name = f"{lock_name}:{alias}"
+        stale = distlock.acquire(name, ttl=1, using=alias)
+        current = distlock.acquire(name, ttl=30, timeout=15, using=alias)
+        assert stale.release() is False
+        backend = locks[alias]
+        assert backend.release_owned(name, stale.owner) is False
+        assert [info.owner for info in backend.held_locks(name)] == [current.owner]
+        with pytest.raises(distlock.LockNotAcquired):
+            distlock.acquire(name, blocking=False, using=alias)
+        assert current.release() is True
+
+    on_every_alias_at_once(release_after_a_takeover)
 
 
 def test_held_locks_pages_through_every_lock_of_a_prefix_once(backend_alias, lock_name):
@@ -265,15 +302,20 @@ def test_signals(backend_alias, lock_name):
     assert seen == [(lock_acquired, lock_name), (lock_released, lock_name)]
 
 
-def test_auto_renew_keeps_the_lock_past_three_ttls(lease_alias, lock_name):
+def test_auto_renew_keeps_the_lock_past_three_ttls(lock_name):
     ttl = 1.5
-    with distlock.lock(lock_name, ttl=ttl, auto_renew=True, using=lease_alias) as lease:
-        time.sleep(3 * ttl + 0.5)
-        lease.check()
-        assert lease.remaining() > 0
-        with pytest.raises(distlock.LockNotAcquired):
-            distlock.acquire(lock_name, blocking=False, using=lease_alias)
-    assert lease.released
+
+    def hold_past_three_ttls(alias):
+        name = f"{lock_name}:{alias}"
+        with distlock.lock(name, ttl=ttl, auto_renew=True, using=alias) as lease:
+            time.sleep(3 * ttl + 0.5)  # the hold itself
+            lease.check()
+            assert lease.remaining() > 0
+            with pytest.raises(distlock.LockNotAcquired):
+                distlock.acquire(name, blocking=False, using=alias)
+        assert lease.released
+
+    on_every_alias_at_once(hold_past_three_ttls)
 
 
 def test_auto_renew_marks_the_lease_lost_when_the_lock_disappears(backend_alias, lock_name):
@@ -298,15 +340,19 @@ def test_auto_renew_marks_the_lease_lost_when_the_lock_disappears(backend_alias,
         lock_lost.disconnect(receiver)
 
 
-def test_max_hold_stops_renewal_and_releases(lease_alias, lock_name):
-    lease = distlock.acquire(lock_name, ttl=1.5, auto_renew=True, max_hold=2, using=lease_alias)
-    # The renewal thread releases, then marks the lease lost; by then the validity ran out anyway, so
-    # wait for the mark (the reason), not for ``lease.lost``.
-    wait_until(lambda: lease.lost_reason is not None, 10, "the renewal thread stopping at max_hold")
-    assert lease.lost
-    with pytest.raises(distlock.LockLost, match="max_hold"):
-        lease.check()
-    distlock.acquire(lock_name, blocking=False, using=lease_alias).release()
+def test_max_hold_stops_renewal_and_releases(lock_name):
+    def hold_until_max_hold(alias):
+        name = f"{lock_name}:{alias}"
+        lease = distlock.acquire(name, ttl=1.5, auto_renew=True, max_hold=2, using=alias)
+        # The renewal thread releases, then marks the lease lost; by then the validity ran out anyway, so
+        # wait for the mark (the reason), not for ``lease.lost``.
+        wait_until(lambda: lease.lost_reason is not None, 10, f"the renewal thread stopping at max_hold on {alias}")
+        assert lease.lost
+        with pytest.raises(distlock.LockLost, match="max_hold"):
+            lease.check()
+        distlock.acquire(name, blocking=False, using=alias).release()
+
+    on_every_alias_at_once(hold_until_max_hold)
 
 
 def test_four_processes_never_overlap_and_tokens_strictly_increase(shared_lease_alias, lock_name):

@@ -17,7 +17,7 @@ import distlock
 from distlock.backends import _redis_cluster
 from distlock.checks import E004, check_distlock_setting
 from distlock.handler import locks
-from tests.conftest import require_alias
+from tests.conftest import long_only, require_alias
 from tests.servers import wait_until
 from tests.servers.redis import RedisClusterDeployment
 
@@ -222,6 +222,7 @@ def replicated(tmp_path_factory):
 
 
 @pytest.mark.slow
+@long_only  # 11 s with its own 6-node cluster; the contract suite and the fencing timelines run in make test
 def test_a_master_fails_over_to_its_replica_and_the_names_token_does_not_go_back(replicated, settings, lock_name):
     settings.DISTLOCK = {**settings.DISTLOCK, "failover": {"BACKEND": BACKEND, "OPTIONS": {
         "URL": f"redis://127.0.0.1:{replicated.nodes[0].port}/0", "CLUSTER": True, "REQUEST_TIMEOUT": 1}}}
