@@ -52,15 +52,24 @@ def require_alias(alias):
 LOCKS_IN_A_DATABASE = {"default": "default", "postgres": "postgres"}
 
 
-def alias_params(aliases, long_only_aliases=()):
+#: The apps whose tables a test of locks alone writes (``alias_params(..., locks_only=True)``).
+LOCK_APPS = ["distlock", "tests.fencing_app"]
+
+
+def alias_params(aliases, long_only_aliases=(), *, locks_only=False):
     """``aliases`` as fixture parameters for a module whose tests touch no database but their alias's: each
     alias's tests get the default database (the metrics recorder's and the worker processes') and the one its
     locks live in, if any, still transactional. Emptying every test database after each test, the others
-    untouched, took 0.1–0.2 s a test. ``long_only_aliases`` are left to DISTLOCK_FAULTS_LONG=1."""
+    untouched, took 0.1–0.2 s a test. ``long_only_aliases`` are left to DISTLOCK_FAULTS_LONG=1.
+
+    ``locks_only``: the module's tests use no other app's models (no users, no admin), so after each test
+    only ``LOCK_APPS``' tables are emptied and Django does not make the other apps' content types and
+    permissions again (``available_apps``): 0.08 s down to 0.02 s a test with PostgreSQL."""
     params = []
+    extra = {"available_apps": LOCK_APPS} if locks_only else {}
     for alias in aliases:
         databases = sorted({"default", LOCKS_IN_A_DATABASE.get(alias, "default")})
-        marks = [pytest.mark.django_db(transaction=True, databases=databases)]
+        marks = [pytest.mark.django_db(transaction=True, databases=databases, **extra)]
         if alias in long_only_aliases:
             marks.append(long_only)
         params.append(pytest.param(alias, marks=marks))

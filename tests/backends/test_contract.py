@@ -15,20 +15,20 @@ import distlock
 from distlock.backends.base import READ_WRITE
 from distlock.handler import locks
 from distlock.signals import lock_acquired, lock_lost, lock_released
-from tests.conftest import CONTRACT_ALIASES, CONTRACT_SHARED_ALIASES, LONG, alias_params, require_alias
+from tests.conftest import CONTRACT_ALIASES, CONTRACT_SHARED_ALIASES, LOCK_APPS, LONG, alias_params, require_alias
 from tests.servers import wait_until
 from tests.workers import read_events, spawn
 
-pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__", available_apps=LOCK_APPS)
 
 
-@pytest.fixture(params=alias_params(CONTRACT_ALIASES))
+@pytest.fixture(params=alias_params(CONTRACT_ALIASES, locks_only=True))
 def backend_alias(request):
     """Each backend alias in turn (``tests.conftest.backend_alias``), with only the databases it needs."""
     return require_alias(request.param)
 
 
-@pytest.fixture(params=alias_params(CONTRACT_SHARED_ALIASES))
+@pytest.fixture(params=alias_params(CONTRACT_SHARED_ALIASES, locks_only=True))
 def shared_alias(request):
     """Each alias whose locks exclude other processes (``tests.conftest.shared_alias``), with only its databases."""
     return require_alias(request.param)
@@ -48,7 +48,7 @@ SAME_BACKEND_AS = {"redis_cache": "redis", "zookeeper_buckets": "zookeeper"}
 PROCESSES_LONG_ONLY = {**SAME_BACKEND_AS, "redis_cluster": "redis"}
 
 
-@pytest.fixture(params=alias_params(CONTRACT_SHARED_ALIASES, long_only_aliases=PROCESSES_LONG_ONLY))
+@pytest.fixture(params=alias_params(CONTRACT_SHARED_ALIASES, long_only_aliases=PROCESSES_LONG_ONLY, locks_only=True))
 def shared_lease_alias(request):
     """``shared_alias`` for the tests that take seconds: every backend once (``PROCESSES_LONG_ONLY``)."""
     return require_alias(request.param)
