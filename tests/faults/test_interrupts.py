@@ -13,6 +13,7 @@ import pytest
 
 from distlock.backends.database import DatabaseBackend
 from distlock.conformance import scenarios
+from distlock.models import LockWaiter
 from tests.faults.conftest import DATABASES
 from tests.faults.test_client_threads import KEYS, target
 
@@ -39,19 +40,23 @@ def test_interrupted_calls_grant_nothing_wrong_and_leave_nothing_held(key, fault
 class CarelessBackend(DatabaseBackend):
     """The database backend broken the three ways the scenario looks for, to show it finds them (a canary).
 
-    A try that finds the lock held takes it over (wrong grants); an interrupt that lands in a try
-    comes out as a ``TypeError`` (a misread reply); every lock is stored for ten times its ttl and
-    a release deletes nothing (locks left).
+    A try that finds the lock held takes it over, ahead of any waiter (wrong grants); an interrupt that lands in a try
+    comes out as a ``TypeError`` (a misread reply); every lock is stored for a hundred times its ttl,
+    longer than a storm may last (``STORM_DEADLINE_*``), and a release deletes nothing (locks left).
+    Ten times (20 s) let the locks of a slow storm expire before the check, and the canary pass.
     """
 
     def _try_acquire(self, attempt):
-        stretched = dataclasses.replace(attempt, ttl=attempt.ttl * 10)
+        stretched = dataclasses.replace(attempt, ttl=attempt.ttl * 100)
         try:
             grant = super()._try_acquire(stretched)
             if grant is None:
                 for info in self.held_locks(attempt.name):
                     if info.name == attempt.name:
                         self.release_owned(info.name, info.owner)
+                # ...jumping the queue too: a takeover refused for a waiter ahead would leave the lock
+                # free, and the locks-left check with nothing to find.
+                LockWaiter.objects.using(self.database).filter(name=attempt.name).exclude(owner=attempt.owner).delete()
                 grant = super()._try_acquire(stretched)
         except BaseException as exc:
             if type(exc).__name__ == "Interrupted":
