@@ -27,6 +27,7 @@ call running to its end; whoever cancels it decides what to do with the result (
 complete, the acquire loop gives back what it was granted).
 """
 
+import _signal
 import asyncio
 import contextvars
 import logging
@@ -35,8 +36,6 @@ import queue
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
-
-import _signal
 from functools import partial
 
 from distlock.backends.green import Daemon
