@@ -76,6 +76,19 @@ def alias_params(aliases, long_only_aliases=(), *, locks_only=False):
     return params
 
 
+def record_tries(backend, monkeypatch):
+    """Return a list that gets the owner of each try reaching ``backend`` (each try still goes to the server)."""
+    seen = []
+    real = backend._try_acquire
+
+    def try_acquire(attempt):
+        seen.append(attempt.owner)
+        return real(attempt)
+
+    monkeypatch.setattr(backend, "_try_acquire", try_acquire)
+    return seen
+
+
 @pytest.fixture(params=alias_params(BACKEND_ALIASES))
 def backend_alias(request):
     """Each backend alias in turn, with the default database and the one its locks live in."""

@@ -15,7 +15,7 @@ from django.test import override_settings
 import distlock
 from distlock import Lease, LockNotAcquired, LockOrderError, reentrancy
 from distlock.handler import locks
-from tests.conftest import free
+from tests.conftest import free, record_tries
 from tests.servers import wait_until
 
 #: Coroutines contending for one lock, as in the issue's acceptance test.
@@ -37,16 +37,7 @@ def run(coroutine):
 @pytest.fixture
 def tries(backend_alias, monkeypatch):
     """The owners whose tries reached the alias's backend, one entry per try (each try still goes to the server)."""
-    backend = locks[backend_alias]
-    seen = []
-    real = backend._try_acquire
-
-    def try_acquire(attempt):
-        seen.append(attempt.owner)
-        return real(attempt)
-
-    monkeypatch.setattr(backend, "_try_acquire", try_acquire)
-    return seen
+    return record_tries(locks[backend_alias], monkeypatch)
 
 
 class CpuWait:

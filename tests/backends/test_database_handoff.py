@@ -13,7 +13,7 @@ import distlock
 from distlock.backends._sql import WAITER_TTL
 from distlock.handler import locks
 from distlock.models import Lock, LockWaiter
-from tests.conftest import require_alias
+from tests.conftest import record_tries, require_alias
 from tests.servers import wait_until
 from tests.workers import spawn
 
@@ -172,15 +172,7 @@ def test_a_cut_listening_connection_is_replaced_and_a_waiter_meanwhile_still_get
 def test_the_sqlite_waiter_first_in_line_polls_less_as_the_hold_goes_on(lock_name, monkeypatch):
     """Each poll takes SQLite's one write slot: a 3 s hold is polled about 100 times, not 400 (10 ms pauses)."""
     alias = require_alias("default")
-    backend = locks[alias]
-    tries = []
-    real_try = backend._try_acquire
-
-    def counted_try(attempt):
-        tries.append(attempt.owner)
-        return real_try(attempt)
-
-    monkeypatch.setattr(backend, "_try_acquire", counted_try)
+    tries = record_tries(locks[alias], monkeypatch)
     holder = distlock.acquire(lock_name, ttl=30, using=alias)
     order = []
     waiter = Waiter(alias, lock_name, order, "waiter")
